@@ -1,0 +1,32 @@
+import os
+
+# Tests never reach the Hub: every model and tokenizer is built locally.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trl_diffusion.models import DiffusionAdapter, build_tiny_bidirectional_llama, build_tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_tokenizer):
+    """A tiny bidirectional Llama in eval mode; tests must not change its weights (copy it first)."""
+    return build_tiny_bidirectional_llama(tiny_tokenizer, seed=0).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_adapter(tiny_llama, tiny_tokenizer):
+    return DiffusionAdapter.from_model(tiny_llama, tiny_tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.set_num_threads(1)
+    yield

@@ -1,0 +1,119 @@
+"""Tiny diffusion models and a character-level tokenizer, built locally (no Hub) for tests, the demo and benchmarks.
+
+Every builder returns ordinary transformers objects: `save_pretrained` them to a directory and load them back with
+`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained`, exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+MASK_TOKEN = "<|mask|>"
+EOT_TOKEN = "<|eot|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, MASK_TOKEN, EOT_TOKEN, *ROLE_TOKENS)
+CHARACTERS = tuple(string.printable)  # digits, letters, punctuation and whitespace (space, \n, \t, ...)
+
+# Each turn is "<|role|>content<|eot|>"; a generation prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with pad, BOS, EOS, mask and end-of-turn tokens and a chat template.
+
+    Ids 0..8 are the special tokens in the order of `SPECIAL_TOKENS`; every printable ASCII character follows.
+    Encoding never adds special tokens by itself (the chat template adds BOS), as with LLaDA's tokenizer.
+    """
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        additional_special_tokens=[EOT_TOKEN, *ROLE_TOKENS],
+        padding_side="left",
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def terminator_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The ids that end a completion of a tiny model: EOS and end-of-turn."""
+    return [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN)]
+
+
+def build_tiny_bidirectional_llama(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """A randomly initialised `LlamaForCausalLM` run bidirectionally (`config.is_causal = False`): the generic
+    "any bidirectional transformer with a mask token" of the package.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size (`int`):
+            Llama sizes.
+        max_position_embeddings (`int`):
+            The context length the adapter enforces.
+        seed (`int`):
+            Seed of a private generator for the initial weights (the global RNG is left alone).
+        dtype (`torch.dtype`):
+            Parameter dtype.
+    """
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=terminator_ids(tokenizer),
+        attn_implementation="sdpa",
+    )
+    config.is_causal = False
+    config.mask_token_id = tokenizer.mask_token_id
+    model = LlamaForCausalLM(config)
+    reinitialise(model, seed)
+    return model.to(dtype)
+
+
+def reinitialise(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Redraws every weight matrix from N(0, std) with a private generator, so a tiny model is the same on every
+    machine and global RNG state is untouched. Norm weights stay at one."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+            elif name.endswith("bias"):
+                parameter.zero_()
