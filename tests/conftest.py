@@ -30,3 +30,19 @@ def tiny_llama_adapter(tiny_llama, tiny_tokenizer):
 def _deterministic_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_llada(tiny_tokenizer):
+    """A tiny native LLaDA in eval mode; tests must not change its weights (copy it first)."""
+    from trl_diffusion.models import build_tiny_llada
+
+    return build_tiny_llada(tiny_tokenizer, seed=0).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dream(tiny_tokenizer):
+    """A tiny native Dream in eval mode; tests must not change its weights (copy it first)."""
+    from trl_diffusion.models import build_tiny_dream
+
+    return build_tiny_dream(tiny_tokenizer, seed=0).eval()

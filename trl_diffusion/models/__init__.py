@@ -1,13 +1,47 @@
-"""Model support: the adapter every component drives models through, native LLaDA and Dream, tiny builders."""
+"""Model support: the adapter every component drives models through, native LLaDA and Dream, tiny builders.
+
+Importing this package registers `model_type="llada"` and `model_type="Dream"` with the transformers Auto classes, so
+`AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without `trust_remote_code`.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .adapter import KNOWN_MASK_TOKEN_IDS, KNOWN_TERMINATOR_IDS, DiffusionAdapter, unwrap_model
-from .tiny import build_tiny_bidirectional_llama, build_tiny_tokenizer
+from .dream import DREAM_LORA_TARGET_MODULES, DreamConfig, DreamModel
+from .llada import (
+    LLADA_LORA_EXCLUDE_MODULES,
+    LLADA_LORA_TARGET_MODULES,
+    LLaDAConfig,
+    LLaDAModel,
+    LLaDAModelLM,
+    LLaDAPreTrainedModel,
+)
+from .tiny import build_tiny_bidirectional_llama, build_tiny_dream, build_tiny_llada, build_tiny_tokenizer
+
+# The published auto_maps send both AutoModel and AutoModelForCausalLM to the model with the head.
+AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
+AutoModel.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
+AutoModelForCausalLM.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
+AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
+AutoModel.register(DreamConfig, DreamModel, exist_ok=True)
+AutoModelForCausalLM.register(DreamConfig, DreamModel, exist_ok=True)
 
 __all__ = [
+    "DREAM_LORA_TARGET_MODULES",
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",
+    "LLADA_LORA_EXCLUDE_MODULES",
+    "LLADA_LORA_TARGET_MODULES",
     "DiffusionAdapter",
+    "DreamConfig",
+    "DreamModel",
+    "LLaDAConfig",
+    "LLaDAModel",
+    "LLaDAModelLM",
+    "LLaDAPreTrainedModel",
     "build_tiny_bidirectional_llama",
+    "build_tiny_dream",
+    "build_tiny_llada",
     "build_tiny_tokenizer",
     "unwrap_model",
 ]

@@ -88,8 +88,8 @@ class DiffusionAdapter:
             mask_token_id (`int`, *optional*):
                 Overrides every other source of the mask token id.
             terminator_ids (`list[int]`, *optional*):
-                Overrides the terminators (default: the known ids of the model type, else the EOS ids of the
-                generation config, config and tokenizer).
+                Overrides the terminators (default: the known ids of the model type when its vocabulary holds them,
+                else the EOS ids of the generation config, config and tokenizer).
             shift_logits (`bool`, *optional*):
                 Overrides the shift (default: `True` for model types in `SHIFTED_LOGITS_MODEL_TYPES`).
 
@@ -115,7 +115,11 @@ class DiffusionAdapter:
             )
 
         if terminator_ids is None:
-            terminator_ids = KNOWN_TERMINATOR_IDS.get(model_type)
+            known = KNOWN_TERMINATOR_IDS.get(model_type)
+            vocab_size = getattr(config, "vocab_size", None)
+            # A model of a known type with a smaller vocabulary (a tiny test model) uses its own EOS ids instead.
+            if known is not None and (vocab_size is None or max(known) < vocab_size):
+                terminator_ids = known
         if terminator_ids is None:
             candidates = []
             generation_config = getattr(base, "generation_config", None)

@@ -12,6 +12,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from .dream import DreamConfig, DreamModel
+from .llada import LLaDAConfig, LLaDAModelLM
+
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -117,3 +120,99 @@ def reinitialise(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
             elif name.endswith("bias"):
                 parameter.zero_()
+
+
+def build_tiny_llada(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    mlp_hidden_size: int = 128,
+    max_sequence_length: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> LLaDAModelLM:
+    """A randomly initialised native LLaDA with the architecture flags of LLaDA-8B (bidirectional Llama block, RoPE
+    theta 500000 in float32, RMSNorm, SiLU-gated MLP, untied head) at toy sizes.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            Fixes the vocabulary and the special ids: mask token, pad, EOS and end-of-turn as terminators (default:
+            [`build_tiny_tokenizer`]).
+        d_model, n_layers, n_heads, mlp_hidden_size (`int`):
+            LLaDA sizes (published field names).
+        max_sequence_length (`int`):
+            The context length the adapter enforces.
+        seed (`int`):
+            Seed of a private generator for the initial weights (the global RNG is left alone).
+        dtype (`torch.dtype`):
+            Parameter dtype (RoPE stays float32 whatever it is).
+    """
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = LLaDAConfig(
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        n_layers=n_layers,
+        mlp_hidden_size=mlp_hidden_size,
+        max_sequence_length=max_sequence_length,
+        vocab_size=len(tokenizer),
+        embedding_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=terminator_ids(tokenizer),
+        mask_token_id=tokenizer.mask_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        attn_implementation="sdpa",
+    )
+    model = LLaDAModelLM(config)
+    reinitialise(model, seed)
+    return model.to(dtype)
+
+
+def build_tiny_dream(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> DreamModel:
+    """A randomly initialised native Dream (bidirectional Qwen2 with q/k/v biases and grouped-query attention, shifted
+    logits) at toy sizes.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size (`int`):
+            Qwen2 sizes.
+        max_position_embeddings (`int`):
+            The context length the adapter enforces.
+        seed (`int`):
+            Seed of a private generator for the initial weights (the global RNG is left alone).
+        dtype (`torch.dtype`):
+            Parameter dtype.
+    """
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = DreamConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        max_window_layers=num_hidden_layers,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=terminator_ids(tokenizer),
+        mask_token_id=tokenizer.mask_token_id,
+        attn_implementation="sdpa",
+    )
+    model = DreamModel(config)
+    reinitialise(model, seed)
+    return model.to(dtype)
