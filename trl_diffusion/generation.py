@@ -1,0 +1,590 @@
+"""The denoising sampler of masked diffusion language models (LLaDA's semi-autoregressive sampler, with Dream's
+remasking strategies, classifier-free guidance, Fast-dLLM's confidence-threshold parallel decoding and early
+stopping at a terminator).
+
+The canvas is `[prompt (left-padded) | gen_length mask tokens]`. The completion is decoded block by block, left to
+right. Every step runs the model once, proposes a token `x0` for each masked position of the current block (argmax,
+or Gumbel-max at `temperature`), scores each proposal with a confidence, and commits the most confident ones: as
+many as the schedule says, or, with `threshold`, every proposal at least that confident.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .models.adapter import DiffusionAdapter
+
+SCHEDULES = ("linear", "cosine")
+REMASKING_STRATEGIES = ("low_confidence", "random", "entropy", "margin")
+# Confidences of these strategies are probabilities, so a threshold in (0, 1] means something for them.
+THRESHOLD_REMASKING_STRATEGIES = ("low_confidence", "margin")
+
+GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
+
+
+@dataclass
+class DiffusionGenerationConfig:
+    """How [`generate`] denoises a completion.
+
+    Args:
+        gen_length (`int`, defaults to `128`):
+            Length `L` of the completion canvas: the number of mask tokens appended to each prompt.
+        block_length (`int`, defaults to `32`):
+            Length of the semi-autoregressive blocks, decoded left to right. `gen_length` must be a multiple of it;
+            `block_length = gen_length` is pure (non-autoregressive) diffusion.
+        steps (`int`, *optional*):
+            Denoising steps (forward passes) for the whole completion, shared evenly by the blocks. Defaults to
+            `gen_length // 2` rounded down to a multiple of the number of blocks; with `threshold`, to `gen_length`.
+            With `threshold` it is an upper bound: confident steps commit more tokens and blocks finish sooner.
+        schedule (`str`, defaults to `"linear"`):
+            How many tokens each step of a block commits. `"linear"`: LLaDA's even split of the block's masked
+            count over its steps, the remainder going to the first steps. `"cosine"`: MaskGIT's schedule, the
+            fraction still masked after step `j` of `S` being `cos(pi/2 * (j + 1) / S)` (few tokens first, more
+            later), at least one token per step.
+        remasking (`str`, defaults to `"low_confidence"`):
+            Confidence that decides which proposals are committed: `"low_confidence"` (probability of the proposed
+            token), `"random"` (uniform scores), `"entropy"` (negative entropy of the prediction; higher is more
+            confident) or `"margin"` (top-1 minus top-2 probability).
+        temperature (`float`, defaults to `0.0`):
+            Sampling temperature of the proposals; `0` is greedy argmax. Positive temperatures sample by Gumbel-max
+            in float64 (LLaDA's recipe; low-precision Gumbel noise degrades generation).
+        cfg_scale (`float`, defaults to `0.0`):
+            Classifier-free guidance scale; `0` is off. The unconditional prediction masks the prompt, and the
+            logits are `uncond + (cfg_scale + 1) * (cond - uncond)`. Both passes run as one batched model call.
+        threshold (`float`, *optional*):
+            Confidence-threshold parallel decoding (Fast-dLLM): each step commits every proposal of the current
+            block whose confidence is at least `threshold`, and at least the schedule's count (at least one).
+            Needs `remasking="low_confidence"` or `"margin"`. `None` is off.
+        early_stop (`bool`, defaults to `False`):
+            Stop decoding a row once it has committed a terminator with nothing masked before it; the positions
+            still masked (all behind the terminator) are filled with the first terminator id (EOS).
+        record_steps (`list[int]`, *optional*):
+            Steps at which to record the canvas before the step's commits, returned as `history` (a step past the
+            end records the final canvas).
+        defer_terminators (`bool`, defaults to `False`):
+            Give proposals that are terminators the lowest confidence, so that they are committed only when the
+            schedule runs out of other positions (LLaDA 1.5's `confidence_eos_eot_inf`).
+        seed (`int`, *optional*):
+            Seed of the private generator used when [`generate`] receives none. The global RNG is never used.
+    """
+
+    gen_length: int = field(default=128, metadata={"help": "Length of the completion canvas (mask tokens appended)."})
+    block_length: int = field(
+        default=32, metadata={"help": "Length of the semi-autoregressive blocks; must divide `gen_length`."}
+    )
+    steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Denoising steps for the whole completion, split evenly over the blocks. Default: "
+            "`gen_length // 2` (a multiple of the number of blocks), or `gen_length` with `threshold` (an upper "
+            "bound then)."
+        },
+    )
+    schedule: str = field(
+        default="linear",
+        metadata={
+            "help": "Tokens committed per step of a block: `linear` (LLaDA's even split) or `cosine` (MaskGIT)."
+        },
+    )
+    remasking: str = field(
+        default="low_confidence",
+        metadata={
+            "help": "Confidence deciding which proposals are committed: `low_confidence` (p(x0)), `random`, "
+            "`entropy` (negative entropy) or `margin` (top-1 minus top-2 probability)."
+        },
+    )
+    temperature: float = field(
+        default=0.0, metadata={"help": "Sampling temperature (Gumbel-max in float64); 0 is greedy argmax."}
+    )
+    cfg_scale: float = field(
+        default=0.0,
+        metadata={"help": "Classifier-free guidance scale (unconditional pass masks the prompt); 0 is off."},
+    )
+    threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Confidence-threshold parallel decoding (Fast-dLLM): commit every proposal of the current block "
+            "at least this confident, and at least the schedule's count. None is off."
+        },
+    )
+    early_stop: bool = field(
+        default=False,
+        metadata={
+            "help": "Stop a row once it has committed a terminator with nothing masked before it, filling the rest "
+            "with EOS."
+        },
+    )
+    record_steps: list[int] | None = field(
+        default=None,
+        metadata={"help": "Steps at which to record the canvas (before that step's commits), returned as `history`."},
+    )
+    defer_terminators: bool = field(
+        default=False,
+        metadata={
+            "help": "Give terminator proposals the lowest confidence so they are committed last (LLaDA 1.5's "
+            "`confidence_eos_eot_inf`)."
+        },
+    )
+    seed: int | None = field(
+        default=None, metadata={"help": "Seed of the private generator used when `generate` receives none."}
+    )
+
+    def __post_init__(self):
+        if self.gen_length < 1 or self.block_length < 1:
+            raise ValueError(
+                f"`gen_length` ({self.gen_length}) and `block_length` ({self.block_length}) must be positive."
+            )
+        if self.gen_length % self.block_length != 0:
+            raise ValueError(
+                f"`gen_length` ({self.gen_length}) must be a multiple of `block_length` ({self.block_length}): set "
+                f"`block_length` to a divisor of it (e.g. {math.gcd(self.gen_length, self.block_length)}), or "
+                "`block_length = gen_length` for pure diffusion."
+            )
+        if self.steps is not None:
+            if self.steps < self.num_blocks:
+                raise ValueError(
+                    f"`steps` ({self.steps}) must be at least the number of blocks ({self.num_blocks} = gen_length "
+                    f"{self.gen_length} / block_length {self.block_length}): every block takes at least one step."
+                )
+            if self.steps % self.num_blocks != 0:
+                raise ValueError(
+                    f"`steps` ({self.steps}) must be a multiple of the number of blocks ({self.num_blocks} = "
+                    f"gen_length {self.gen_length} / block_length {self.block_length}), so that every block gets the "
+                    f"same number of steps (LLaDA's rule): use e.g. steps={self.steps // self.num_blocks * self.num_blocks}."
+                )
+            if self.steps > self.gen_length:
+                raise ValueError(
+                    f"`steps` ({self.steps}) must not exceed `gen_length` ({self.gen_length}): a step commits at "
+                    "least one token, so more steps than tokens only adds forward passes."
+                )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Unknown `schedule` {self.schedule!r}: choose one of {SCHEDULES}.")
+        if self.remasking not in REMASKING_STRATEGIES:
+            raise ValueError(f"Unknown `remasking` {self.remasking!r}: choose one of {REMASKING_STRATEGIES}.")
+        if self.temperature < 0:
+            raise ValueError(f"`temperature` ({self.temperature}) must be >= 0 (0 is greedy argmax).")
+        if self.cfg_scale < 0:
+            raise ValueError(f"`cfg_scale` ({self.cfg_scale}) must be >= 0 (0 turns guidance off).")
+        if self.threshold is not None:
+            if not 0 < self.threshold <= 1:
+                raise ValueError(
+                    f"`threshold` ({self.threshold}) must lie in (0, 1] (Fast-dLLM uses 0.9), or be None to decode "
+                    "with the fixed schedule."
+                )
+            if self.remasking not in THRESHOLD_REMASKING_STRATEGIES:
+                raise ValueError(
+                    f"`threshold` needs a confidence that is a probability: set `remasking` to one of "
+                    f"{THRESHOLD_REMASKING_STRATEGIES} (got {self.remasking!r})."
+                )
+        if self.record_steps is not None:
+            self.record_steps = [int(step) for step in self.record_steps]
+            if any(step < 0 for step in self.record_steps):
+                raise ValueError(f"`record_steps` must be non-negative step indices (got {self.record_steps}).")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def num_steps(self) -> int:
+        """The resolved `steps`: at most this many forward passes decode a completion."""
+        if self.steps is not None:
+            return self.steps
+        if self.threshold is not None:
+            return self.gen_length
+        return max(self.num_blocks, self.gen_length // 2 // self.num_blocks * self.num_blocks)
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.num_steps // self.num_blocks
+
+
+@dataclass
+class DiffusionGenerationOutput:
+    """What [`generate`] returns.
+
+    Args:
+        sequences (`torch.LongTensor` of shape `(batch, prompt_length + gen_length)`):
+            The left-padded prompts followed by the completions.
+        completion_ids (`torch.LongTensor` of shape `(batch, gen_length)`):
+            The full completion canvas as the sampler left it (EOS-filled behind the terminator after an early stop).
+            Cut it with [`cut_at_terminator`] before handing text to rewards.
+        commit_step (`torch.LongTensor` of shape `(batch, gen_length)`):
+            The step at which each completion position was committed (EOS fill counts as committed at the step the
+            row stopped). [`DiffusionGenerationOutput.canvas_at`] rebuilds any intermediate canvas from it.
+        steps_per_row (`torch.LongTensor` of shape `(batch,)`):
+            Steps (forward passes) each row took until it was finished.
+        num_forward_passes (`int`):
+            Model calls made (a guided step is one batched call of twice the rows).
+        tokens_per_forward (`float`):
+            Completion tokens committed per forward pass, `gen_length / steps_per_row` averaged over the rows.
+        mask_token_id (`int`):
+            The mask token, to rebuild intermediate canvases.
+        history (`list[torch.LongTensor]`, *optional*):
+            The canvases (shape `(batch, prompt_length + gen_length)`) at the configured `record_steps`.
+    """
+
+    sequences: torch.LongTensor
+    completion_ids: torch.LongTensor
+    commit_step: torch.LongTensor
+    steps_per_row: torch.LongTensor
+    num_forward_passes: int
+    tokens_per_forward: float
+    mask_token_id: int
+    history: list[torch.LongTensor] | None = None
+
+    def canvas_at(self, step: int | torch.Tensor) -> torch.LongTensor:
+        """The canvas that went into step `step`: every completion position committed at `step` or later masked.
+
+        Args:
+            step (`int` or `torch.LongTensor` of shape `(batch,)`):
+                One step for all rows, or one per row (e.g. states drawn along each row's own trajectory).
+
+        Returns:
+            `torch.LongTensor` of shape `(batch, prompt_length + gen_length)`.
+        """
+        step = torch.as_tensor(step, device=self.commit_step.device).reshape(-1, 1)
+        prompt_length = self.sequences.shape[1] - self.completion_ids.shape[1]
+        completion = self.completion_ids.masked_fill(self.commit_step >= step, self.mask_token_id)
+        return torch.cat([self.sequences[:, :prompt_length], completion], dim=1)
+
+
+def num_transfer_tokens(masked_counts: torch.LongTensor, num_steps: int, schedule: str = "linear") -> torch.LongTensor:
+    """How many tokens each step of a block commits, per row (LLaDA's `get_num_transfer_tokens` for `"linear"`).
+
+    Args:
+        masked_counts (`torch.LongTensor` of shape `(batch,)`):
+            Masked positions of each row's block when the block starts.
+        num_steps (`int`):
+            Steps of the block.
+        schedule (`str`, defaults to `"linear"`):
+            `"linear"` or `"cosine"` (see [`DiffusionGenerationConfig`]).
+
+    Returns:
+        `torch.LongTensor` of shape `(batch, num_steps)` whose rows sum to `masked_counts`.
+    """
+    masked_counts = masked_counts.long()
+    step_index = torch.arange(num_steps, device=masked_counts.device)
+    if schedule == "linear":
+        base = masked_counts // num_steps
+        remainder = masked_counts % num_steps
+        return base[:, None] + (step_index[None, :] < remainder[:, None]).long()
+    if schedule == "cosine":
+        counts = []
+        still_masked = masked_counts
+        for step in range(num_steps):
+            target = torch.floor(masked_counts.double() * math.cos(math.pi / 2 * (step + 1) / num_steps)).long()
+            # At least one token per step, and enough left for one per remaining step.
+            target = torch.minimum(target.clamp(min=num_steps - 1 - step), still_masked - 1).clamp(min=0)
+            counts.append(still_masked - target)
+            still_masked = target
+        return torch.stack(counts, dim=1)
+    raise ValueError(f"Unknown `schedule` {schedule!r}: choose one of {SCHEDULES}.")
+
+
+def _uniform_noise(
+    row_counts: torch.LongTensor, trailing_shape: tuple[int, ...], generator: GeneratorLike, device, dtype
+) -> torch.Tensor:
+    """Uniform [0, 1) noise for the committable positions (row-major), from one generator or one per row."""
+    if isinstance(generator, torch.Generator):
+        total = int(row_counts.sum())
+        return torch.rand((total, *trailing_shape), generator=generator, device=device, dtype=dtype)
+    # One generator per row: a row's draws do not depend on the other rows of the batch.
+    return torch.cat(
+        [
+            torch.rand((int(count), *trailing_shape), generator=generator[row], device=device, dtype=dtype)
+            for row, count in enumerate(row_counts.tolist())
+            if count > 0
+        ]
+    )
+
+
+def _gumbel_max(logits: torch.Tensor, temperature: float, uniform: torch.Tensor) -> torch.LongTensor:
+    """Samples from softmax(logits / temperature) by Gumbel-max in float64.
+
+    This is LLaDA's `argmax(exp(logits) / (-log u) ** temperature)` in log space: `argmax(logits + temperature * g)`
+    with Gumbel noise `g = -log(-log u)`. `logits` and `uniform` have shape `(num_positions, vocab)`: only the
+    positions that can be committed, never the whole `(batch, L, vocab)` canvas. `uniform` is overwritten (it becomes
+    the noise), so that one float64 buffer besides the float64 logits is all this needs.
+    """
+    gumbel = uniform.log_().neg_().log_().neg_()
+    return gumbel.mul_(temperature).add_(logits.to(torch.float64)).argmax(dim=-1)
+
+
+def _confidence(
+    logits: torch.Tensor, candidates: torch.LongTensor, remasking: str, uniform: torch.Tensor | None
+) -> torch.Tensor:
+    """Confidence of each proposal, from the un-noised float32 logits of shape `(num_positions, vocab)`."""
+    if remasking == "random":
+        return uniform
+    if remasking == "low_confidence":
+        return logits.softmax(dim=-1).gather(-1, candidates[:, None]).squeeze(-1)
+    if remasking == "entropy":
+        log_probs = logits.log_softmax(dim=-1)
+        return (log_probs.exp() * log_probs).sum(dim=-1)
+    top2 = logits.softmax(dim=-1).topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def _check_inputs(input_ids, attention_mask, config: DiffusionGenerationConfig, adapter: DiffusionAdapter, generator):
+    if input_ids.dim() != 2:
+        raise ValueError(f"`input_ids` must have shape (batch, prompt_length), got {tuple(input_ids.shape)}.")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"`attention_mask` {tuple(attention_mask.shape)} must have the shape of `input_ids` {tuple(input_ids.shape)}."
+        )
+    if input_ids.shape[1] > 1 and (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
+        raise ValueError(
+            "Prompts must be left-padded (the completion follows the last prompt token): tokenize with "
+            "`tokenizer.padding_side = 'left'`."
+        )
+    canvas_length = input_ids.shape[1] + config.gen_length
+    if adapter.context_length is not None and canvas_length > adapter.context_length:
+        raise ValueError(
+            f"The canvas is longer than the model's context: prompt length {input_ids.shape[1]} + gen_length "
+            f"{config.gen_length} = {canvas_length} > {adapter.context_length}. Shorten the prompts or `gen_length`."
+        )
+    if adapter.pad_token_id is not None and adapter.pad_token_id == adapter.mask_token_id:
+        raise ValueError(
+            f"The pad token id equals the mask token id ({adapter.mask_token_id}): padding would be read as masked. "
+            "Give the tokenizer a distinct pad token (e.g. its EOS token)."
+        )
+    if (input_ids[attention_mask.bool()] == adapter.mask_token_id).any():
+        raise ValueError(
+            f"A prompt contains the mask token (id {adapter.mask_token_id}); the sampler would overwrite it. Remove "
+            "it from the prompts."
+        )
+    if config.early_stop and not adapter.terminator_ids:
+        raise ValueError("`early_stop` needs terminator ids: pass `terminator_ids=` to `DiffusionAdapter.from_model`.")
+    if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(input_ids):
+        raise ValueError(f"Got {len(generator)} generators for {len(input_ids)} rows: pass one, or one per row.")
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    generation_config: DiffusionGenerationConfig | None = None,
+    adapter: DiffusionAdapter | None = None,
+    tokenizer=None,
+    generator: GeneratorLike = None,
+    progress_bar: bool = False,
+) -> DiffusionGenerationOutput:
+    """Denoises a completion for each (left-padded) prompt.
+
+    Greedy decoding of a left-padded batch equals decoding each prompt alone (rows see the same positions and never
+    attend to padding, and ties break towards the lowest index). Rows are decoded independently: a row that is
+    finished (nothing masked, or stopped early) leaves the batch of later forward passes.
+
+    Args:
+        model (`torch.nn.Module`):
+            The diffusion model (possibly PEFT- or DDP-wrapped), in the mode the caller wants (use `eval()`: dropout
+            makes even greedy decoding random).
+        input_ids (`torch.LongTensor` of shape `(batch, prompt_length)`):
+            Left-padded prompts.
+        attention_mask (`torch.Tensor` of shape `(batch, prompt_length)`, *optional*):
+            1 for prompt tokens, 0 for left padding. Default: no padding.
+        generation_config ([`DiffusionGenerationConfig`], *optional*):
+            The sampler settings (default: `DiffusionGenerationConfig()`).
+        adapter ([`DiffusionAdapter`], *optional*):
+            How to drive the model (default: resolved with `DiffusionAdapter.from_model(model, tokenizer)`).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            Used only to resolve the adapter.
+        generator (`torch.Generator` or a sequence of them, *optional*):
+            Randomness of sampling and of `remasking="random"`, on the device of `input_ids`. One generator per row
+            makes each row's draws independent of the rest of the batch. Default: a private generator seeded with
+            `generation_config.seed` (or from fresh entropy); the global RNG is never touched.
+        progress_bar (`bool`, defaults to `False`):
+            Show a progress bar over the steps.
+
+    Returns:
+        [`DiffusionGenerationOutput`].
+    """
+    config = generation_config if generation_config is not None else DiffusionGenerationConfig()
+    adapter = adapter if adapter is not None else DiffusionAdapter.from_model(model, tokenizer)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    _check_inputs(input_ids, attention_mask, config, adapter, generator)
+
+    device = input_ids.device
+    batch_size, prompt_length = input_ids.shape
+    gen_length, block_length = config.gen_length, config.block_length
+    mask_token_id = adapter.mask_token_id
+    needs_noise = config.temperature > 0 or config.remasking == "random"
+    if generator is None and needs_noise:
+        generator = torch.Generator(device=device)
+        if config.seed is not None:
+            generator.manual_seed(config.seed)
+        else:
+            generator.seed()
+
+    canvas = torch.cat([input_ids, input_ids.new_full((batch_size, gen_length), mask_token_id)], dim=1)
+    completion = canvas[:, prompt_length:]  # a view: committing into it writes the canvas
+    canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch_size, gen_length))], dim=1)
+    unconditional_prompt = input_ids.masked_fill(attention_mask.bool(), mask_token_id)
+    terminator_ids = torch.tensor(adapter.terminator_ids, dtype=torch.long, device=device)
+    positions = torch.arange(gen_length, device=device)
+
+    commit_step = torch.full((batch_size, gen_length), -1, dtype=torch.long, device=device)
+    steps_per_row = torch.zeros(batch_size, dtype=torch.long, device=device)
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    block_index = torch.full((batch_size,), -1, dtype=torch.long, device=device)
+    block_step = torch.zeros(batch_size, dtype=torch.long, device=device)
+    block_transfer_counts = torch.zeros((batch_size, config.steps_per_block), dtype=torch.long, device=device)
+    record_steps = set(config.record_steps or ())
+    recorded = {}
+
+    step = 0
+    bar = tqdm(total=config.num_steps, desc="Denoising", disable=not progress_bar)
+    while not finished.all():
+        if step in record_steps:
+            recorded[step] = canvas.clone()
+        masked = completion == mask_token_id
+
+        # Each row decodes the first block that still has masks; rows may be in different blocks under `threshold`.
+        first_masked = torch.where(masked, positions, gen_length).min(dim=1).values
+        current_block = first_masked // block_length
+        entered_block = (current_block != block_index) & ~finished
+        block_index = torch.where(entered_block, current_block, block_index)
+        block_step = torch.where(entered_block, 0, block_step)
+        in_block = (positions // block_length)[None, :] == block_index[:, None]
+        committable = masked & in_block & ~finished[:, None]
+        if entered_block.any():
+            # The schedule splits the masks a row has when it enters the block (LLaDA's get_num_transfer_tokens).
+            block_counts = num_transfer_tokens(committable.sum(dim=1), config.steps_per_block, config.schedule)
+            block_transfer_counts = torch.where(entered_block[:, None], block_counts, block_transfer_counts)
+
+        active_rows = (~finished).nonzero().squeeze(1)
+        model_input = canvas[active_rows]
+        model_attention = canvas_attention[active_rows]
+        if config.cfg_scale > 0:
+            unconditional_input = torch.cat([unconditional_prompt[active_rows], model_input[:, prompt_length:]], dim=1)
+            model_input = torch.cat([model_input, unconditional_input])
+            model_attention = torch.cat([model_attention, model_attention])
+        logits = adapter.logits(model, model_input, model_attention, num_logits=gen_length)
+
+        # Everything below sees only the committable positions, shape (num_positions, vocab).
+        committable_in_batch = committable[active_rows]
+        if config.cfg_scale > 0:
+            committable_in_batch = committable_in_batch.repeat(2, 1)
+        candidate_logits = logits[committable_in_batch].float()
+        if config.cfg_scale > 0:
+            conditional, unconditional = candidate_logits.chunk(2)
+            candidate_logits = unconditional + (config.cfg_scale + 1) * (conditional - unconditional)
+        del logits  # free the full logits before the float64 noise is drawn
+        # Committing the mask token would leave the position masked: it is never a proposal.
+        candidate_logits[:, mask_token_id] = -math.inf
+
+        row_counts = committable.sum(dim=1)
+        if config.temperature > 0:
+            uniform = _uniform_noise(row_counts, candidate_logits.shape[1:], generator, device, torch.float64)
+            candidates = _gumbel_max(candidate_logits, config.temperature, uniform)
+        else:
+            candidates = candidate_logits.argmax(dim=-1)
+        random_scores = None
+        if config.remasking == "random":
+            random_scores = _uniform_noise(row_counts, (), generator, device, torch.float32)
+        confidence = _confidence(candidate_logits, candidates, config.remasking, random_scores)
+        if config.defer_terminators:
+            is_terminator = torch.isin(candidates, terminator_ids)
+            confidence = confidence.masked_fill(is_terminator, torch.finfo(confidence.dtype).min)
+
+        # Outside the committable positions the confidence is -inf, so they are never chosen.
+        full_confidence = torch.full((batch_size, gen_length), -math.inf, device=device)
+        full_confidence[committable] = confidence.float()
+        proposals = completion.clone()
+        proposals[committable] = candidates
+
+        num_to_commit = block_transfer_counts.gather(1, block_step[:, None]).squeeze(1)
+        if config.threshold is not None:
+            num_confident = (full_confidence >= config.threshold).sum(dim=1)
+            num_to_commit = torch.maximum(num_to_commit, num_confident).clamp(min=1)
+        num_to_commit = torch.minimum(num_to_commit, row_counts)
+        # A stable sort breaks ties towards the lowest position, the same in a batch as alone.
+        order = full_confidence.argsort(dim=1, descending=True, stable=True)
+        chosen = torch.zeros_like(committable).scatter(1, order, positions[None, :] < num_to_commit[:, None])
+        completion[chosen] = proposals[chosen]
+        commit_step[chosen] = step
+
+        still_masked = completion == mask_token_id
+        done = ~still_masked.any(dim=1) & ~finished
+        if config.early_stop:
+            first_masked = torch.where(still_masked, positions, gen_length).min(dim=1).values
+            terminated = (torch.isin(completion, terminator_ids) & (positions < first_masked[:, None])).any(dim=1)
+            stopped = terminated & ~done & ~finished
+            fill = still_masked & stopped[:, None]
+            completion[fill] = adapter.terminator_ids[0]
+            commit_step[fill] = step
+            done = done | stopped
+        steps_per_row[done] = step + 1
+        finished = finished | done
+        block_step = block_step + (~finished).long()
+        step += 1
+        bar.update(1)
+    bar.close()
+
+    history = None
+    if config.record_steps is not None:
+        history = [recorded.get(record_step, canvas) for record_step in config.record_steps]
+    return DiffusionGenerationOutput(
+        sequences=canvas,
+        completion_ids=completion,
+        commit_step=commit_step,
+        steps_per_row=steps_per_row,
+        num_forward_passes=step,
+        tokens_per_forward=(gen_length / steps_per_row.double()).mean().item(),
+        mask_token_id=mask_token_id,
+        history=history,
+    )
+
+
+def completion_lengths(completion_ids: torch.LongTensor, terminator_ids: Sequence[int]) -> torch.LongTensor:
+    """Length of each completion up to and including its first terminator (the full length when it has none).
+
+    Args:
+        completion_ids (`torch.LongTensor` of shape `(batch, gen_length)`):
+            Completions, e.g. [`DiffusionGenerationOutput.completion_ids`].
+        terminator_ids (`Sequence[int]`):
+            Ids that end a completion, e.g. `adapter.terminator_ids`.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch,)`.
+    """
+    gen_length = completion_ids.shape[1]
+    terminators = torch.tensor(list(terminator_ids), dtype=torch.long, device=completion_ids.device)
+    positions = torch.arange(1, gen_length + 1, device=completion_ids.device)
+    is_terminator = torch.isin(completion_ids, terminators)
+    return torch.where(is_terminator, positions, gen_length).min(dim=1).values
+
+
+def cut_at_terminator(completion_ids: torch.LongTensor, terminator_ids: Sequence[int]) -> list[list[int]]:
+    """Cuts each completion after its first terminator (kept), as handed to reward functions.
+
+    Args:
+        completion_ids (`torch.LongTensor` of shape `(batch, gen_length)`):
+            Completions, e.g. [`DiffusionGenerationOutput.completion_ids`].
+        terminator_ids (`Sequence[int]`):
+            Ids that end a completion, e.g. `adapter.terminator_ids`.
+
+    Returns:
+        `list[list[int]]`: one list of token ids per row.
+    """
+    lengths = completion_lengths(completion_ids, terminator_ids).tolist()
+    return [row[:length] for row, length in zip(completion_ids.tolist(), lengths)]
+
+
+__all__ = [
+    "DiffusionGenerationConfig",
+    "DiffusionGenerationOutput",
+    "completion_lengths",
+    "cut_at_terminator",
+    "generate",
+    "num_transfer_tokens",
+]
