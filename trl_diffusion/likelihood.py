@@ -1,0 +1,301 @@
+"""Likelihood estimators of masked diffusion models: Monte Carlo ELBO terms under the masks of
+`trl_diffusion.masking`, d1's mean-field per-token log-probs, and the exact ELBO by enumeration (the test oracle).
+
+Notation: y is a completion canvas of length L, R the scored region (n = |R| positions), and for a mask set
+M ⊆ R, `S(M) = sum_{i in M} log p(y_i | x, y with M masked)`. The ELBO is
+`B(y) = sum_{l=1..n} f(l) / l` with `f(l)` the mean of `S(M)` over the masks of size l.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .masking import MaskPlan, sample_prompt_masks
+from .models.adapter import DiffusionAdapter
+
+
+def _scored_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor,
+    targets: torch.LongTensor,
+    scored: torch.BoolTensor,
+) -> torch.Tensor:
+    """One forward pass over the canvas; float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere."""
+    logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
+    # Gather the scored rows before normalising: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
+    scored_logits = logits[scored].float()
+    logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - scored_logits.logsumexp(-1)
+    # With nothing scored the output is still attached to the graph (through the empty gather), as DDP requires.
+    return torch.zeros(scored.shape, dtype=torch.float32, device=logprobs.device).masked_scatter(scored, logprobs)
+
+
+def masked_token_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    masked: torch.BoolTensor,
+) -> torch.Tensor:
+    """Per-token log p(y_i | x, y with the `masked` positions replaced by the mask token), at the masked positions.
+
+    One batched forward pass; attention covers the real prompt tokens and all L completion positions.
+
+    Args:
+        model (`torch.nn.Module`):
+            The diffusion model (possibly PEFT- or DDP-wrapped).
+        adapter ([`DiffusionAdapter`]):
+            How to drive it (mask token, logit shift).
+        prompt_ids (`torch.LongTensor` of shape `(batch, prompt_length)`):
+            Left-padded prompts.
+        prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
+            1 for real prompt tokens, 0 for padding.
+        completion_ids (`torch.LongTensor` of shape `(batch, completion_length)`):
+            The completion canvases y.
+        masked (`torch.BoolTensor` of shape `(batch, completion_length)`):
+            Positions to mask and score.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, completion_length)`: the log-probs at masked positions, 0 elsewhere.
+    """
+    noisy_completion = completion_ids.masked_fill(masked, adapter.mask_token_id)
+    input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
+    return _scored_logprobs(model, adapter, input_ids, attention_mask, completion_ids, masked)
+
+
+def elbo_term(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    plan: MaskPlan,
+    mc_index: int,
+) -> torch.Tensor:
+    """Monte Carlo term j of every row: `w_j * S(M_j)`, plus `w'_j * S(R \\ M_j)` for the `coupled` sampler.
+
+    Differentiable: BGPO calls it once per sample and backpropagates each term on its own. The `coupled` complement
+    pass always runs, even when every complement is empty, because under ZeRO-3/FSDP every rank must run the same
+    forwards.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        plan ([`MaskPlan`]):
+            The masks and weights of the rows, from [`~masking.sample_masks`].
+        mc_index (`int`):
+            Which Monte Carlo term j to compute.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch,)`.
+    """
+    device = completion_ids.device
+    masks = plan.masks[:, mc_index].to(device)
+    weights = plan.weights[:, mc_index].to(device, torch.float32)
+    term = weights * masked_token_logprobs(model, adapter, prompt_ids, prompt_mask, completion_ids, masks).sum(-1)
+    if plan.complement_masks is not None:
+        complement = plan.complement_masks[:, mc_index].to(device)
+        complement_weights = plan.complement_weights[:, mc_index].to(device, torch.float32)
+        complement_logprobs = masked_token_logprobs(
+            model, adapter, prompt_ids, prompt_mask, completion_ids, complement
+        )
+        term = term + complement_weights * complement_logprobs.sum(-1)
+    return term
+
+
+def elbo_terms(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    plan: MaskPlan,
+) -> torch.Tensor:
+    """Every Monte Carlo term of every row, one forward pass per term (two for `coupled`), all graphs kept.
+
+    Use it for the old and reference terms at generation time (under `torch.no_grad()`) and for estimators that
+    need all terms in one graph (VRPO); the ELBO estimate is `elbo_terms(...).mean(-1)`.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        plan ([`MaskPlan`]):
+            The masks and weights of the rows.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, num_mc_samples)`.
+    """
+    terms = [
+        elbo_term(model, adapter, prompt_ids, prompt_mask, completion_ids, plan, mc_index)
+        for mc_index in range(plan.num_mc_samples)
+    ]
+    return torch.stack(terms, dim=1)
+
+
+def mean_field_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    p_mask_prompt: float,
+    seeds: torch.LongTensor,
+    iteration: int,
+    region: torch.BoolTensor | None = None,
+) -> torch.Tensor:
+    """d1's one-pass per-token log-probs: every completion position masked, each real prompt token masked with
+    probability `p_mask_prompt`, `log p(y_i)` read at each completion position. Logits are not divided by the
+    sampling temperature.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        p_mask_prompt (`float`):
+            Probability of masking each real prompt token.
+        seeds (`torch.LongTensor` of shape `(batch,)`):
+            Per-row mask seeds; with `iteration` they fix the prompt masks (see [`~masking.sample_prompt_masks`]).
+        iteration (`int`):
+            Inner-iteration index; each iteration masks the prompt afresh.
+        region (`torch.BoolTensor` of shape `(batch, completion_length)`, *optional*):
+            Positions to score (default: all); others are still masked in the input but get 0 and no softmax.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, completion_length)`.
+    """
+    prompt_masked = sample_prompt_masks(prompt_mask, p_mask_prompt, seeds, iteration)
+    input_ids = torch.cat(
+        [
+            prompt_ids.masked_fill(prompt_masked, adapter.mask_token_id),
+            torch.full_like(completion_ids, adapter.mask_token_id),
+        ],
+        dim=1,
+    )
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
+    scored = torch.ones_like(completion_ids, dtype=torch.bool) if region is None else region
+    return _scored_logprobs(model, adapter, input_ids, attention_mask, completion_ids, scored)
+
+
+def _count_weights(n: int, eps: float) -> list[float]:
+    """`c_l = C(n, l) / (1 - eps) * int_eps^1 t^(l-1) (1 - t)^(n-l) dt` for l = 0..n (c_0 = 0).
+
+    The integral is `B(l, n-l+1) * (1 - I_eps(l, n-l+1))`, with `C(n, l) * B(l, n-l+1) = 1/l` and, for integer
+    arguments, `1 - I_eps(l, n-l+1) = P(Binomial(n, eps) < l)`: a finite sum, exact in float64.
+    """
+    weights = [0.0]
+    for size in range(1, n + 1):
+        below = sum(math.comb(n, k) * eps**k * (1.0 - eps) ** (n - k) for k in range(size))
+        weights.append(below / (size * (1.0 - eps)))
+    return weights
+
+
+@torch.no_grad()
+def _mean_scores_by_size(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    region: torch.BoolTensor,
+    max_region_size: int,
+    chunk_size: int,
+) -> list[torch.Tensor]:
+    """`f(0..n)` of each row (float64): the mean of `S(M)` over every mask M ⊆ R of each size."""
+    means = []
+    for row in range(completion_ids.shape[0]):
+        positions = region[row].nonzero().squeeze(-1)
+        n = positions.numel()
+        if n > max_region_size:
+            raise ValueError(f"Row {row} has a region of {n} positions: enumerating 2^{n} masks is too many.")
+        codes = torch.arange(1, 2**n, device=positions.device)
+        in_mask = ((codes.unsqueeze(-1) >> torch.arange(n, device=positions.device)) & 1).bool()
+        masks = torch.zeros(codes.numel(), completion_ids.shape[1], dtype=torch.bool, device=region.device)
+        masks[:, positions] = in_mask
+        scores = []
+        for start in range(0, codes.numel(), chunk_size):
+            chunk = masks[start : start + chunk_size]
+            repeat = chunk.shape[0]
+            logprobs = masked_token_logprobs(
+                model,
+                adapter,
+                prompt_ids[row : row + 1].expand(repeat, -1),
+                prompt_mask[row : row + 1].expand(repeat, -1),
+                completion_ids[row : row + 1].expand(repeat, -1),
+                chunk,
+            )
+            scores.append(logprobs.double().sum(-1))
+        sizes = in_mask.sum(-1)
+        totals = torch.zeros(n + 1, dtype=torch.float64, device=sizes.device)
+        if scores:
+            totals.index_add_(0, sizes, torch.cat(scores))
+        counts = torch.tensor([math.comb(n, size) for size in range(n + 1)], dtype=torch.float64)
+        means.append(totals / counts.to(totals.device))
+    return means
+
+
+def exact_elbo(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    region: torch.BoolTensor,
+    max_region_size: int = 12,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """The exact ELBO `B = sum_l f(l) / l` by enumerating every mask of the region: the oracle the estimators'
+    exact expectations are tested against (2^n forward passes per row, batched; no gradient).
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        region (`torch.BoolTensor` of shape `(batch, completion_length)`):
+            The region R of each row.
+        max_region_size (`int`, *optional*, defaults to 12):
+            Largest n accepted.
+        chunk_size (`int`, *optional*, defaults to 256):
+            Masks per forward pass.
+
+    Returns:
+        `torch.DoubleTensor` of shape `(batch,)`.
+    """
+    return exact_elbo_eps(
+        model, adapter, prompt_ids, prompt_mask, completion_ids, region, 0.0, max_region_size, chunk_size
+    )
+
+
+def exact_elbo_eps(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    region: torch.BoolTensor,
+    eps: float,
+    max_region_size: int = 12,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """The exact mean of the `uniform_t` and `stratified_t` estimators,
+    `B_eps = sum_l f(l) * C(n, l) / (1 - eps) * int_eps^1 t^(l-1) (1 - t)^(n-l) dt` (`B_0 = B`), by enumeration.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids, region, max_region_size, chunk_size:
+            As in [`exact_elbo`].
+        eps (`float`):
+            Smallest timestep, in `[0, 1)`.
+
+    Returns:
+        `torch.DoubleTensor` of shape `(batch,)`.
+    """
+    means = _mean_scores_by_size(
+        model, adapter, prompt_ids, prompt_mask, completion_ids, region, max_region_size, chunk_size
+    )
+    values = [
+        (mean * torch.tensor(_count_weights(mean.numel() - 1, eps), dtype=torch.float64, device=mean.device)).sum()
+        for mean in means
+    ]
+    return torch.stack(values)

@@ -1,0 +1,357 @@
+"""The forward (masking) process of masked diffusion models: the scored region of a completion, its length
+normaliser, and the Monte Carlo mask samplers of the ELBO estimators.
+
+Every mask is a deterministic function of (row seed, inner-iteration index, Monte Carlo index), drawn with private
+`torch.Generator`s. Old, reference and current policies therefore see the same masks (common random numbers), a
+row's masks never depend on the other rows of its batch (TRL shuffles and splits batches), and the global RNG is
+never touched. The likelihood side (what is computed under these masks) lives in `trl_diffusion.likelihood`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t")
+ELBO_REGIONS = ("canvas", "answer")
+LENGTH_NORMS = ("none", "canvas", "answer")
+
+# Independent random streams derived from one row seed: per-completion draws (offset or timesteps), the mask of
+# each Monte Carlo sample, and d1's prompt masks.
+_COMPLETION_STREAM = 0
+_SAMPLE_STREAM = 1
+_PROMPT_STREAM = 2
+
+_UINT64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers whose outputs look independent for nearby inputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _UINT64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _UINT64
+    return value ^ (value >> 31)
+
+
+def derive_seed(*keys: int) -> int:
+    """Hashes integer keys (e.g. row seed, iteration, stream, Monte Carlo index) into a 64-bit generator seed.
+
+    Chaining the mixer keeps `(s, 1, 0)` and `(s, 0, 1)` apart, which a sum or xor of the keys would not.
+    """
+    state = 0
+    for key in keys:
+        state = _mix64(state ^ (int(key) & _UINT64))
+    return state
+
+
+def _generator(*keys: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*keys))
+
+
+def new_mask_seeds(batch_size: int, generator: torch.Generator | None = None) -> torch.LongTensor:
+    """Draws one mask seed per completion, to be stored batch-first next to the completions at generation time.
+
+    Args:
+        batch_size (`int`):
+            Number of completions.
+        generator (`torch.Generator`, *optional*):
+            Source of the seeds. Without one the seeds come from torch's default generator (so `set_seed` makes a
+            run reproducible); under data parallelism pass a generator seeded per process, or ranks draw the same
+            seeds and their masks are correlated.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size,)` on the CPU.
+    """
+    return torch.randint(0, 2**62, (batch_size,), generator=generator, dtype=torch.long)
+
+
+def completion_region(
+    completion_ids: torch.LongTensor, terminator_ids: list[int] | tuple[int, ...], elbo_region: str
+) -> torch.BoolTensor:
+    """The region R of each completion canvas that is masked and scored.
+
+    Args:
+        completion_ids (`torch.LongTensor` of shape `(batch, completion_length)`):
+            The completion canvases exactly as the sampler left them.
+        terminator_ids (`list[int]`):
+            Tokens that end a completion (EOS, end-of-turn).
+        elbo_region (`str`):
+            `"canvas"`: every completion position (EOS fill included, as in ESPO). `"answer"`: the positions up to and
+            including the first terminator, or every position when there is none.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch, completion_length)`.
+    """
+    if elbo_region == "canvas":
+        return torch.ones_like(completion_ids, dtype=torch.bool)
+    if elbo_region != "answer":
+        raise ValueError(f"elbo_region must be one of {ELBO_REGIONS}, got {elbo_region!r}.")
+    is_terminator = torch.isin(completion_ids, torch.tensor(list(terminator_ids), device=completion_ids.device))
+    # Terminators strictly before position i; the first terminator itself stays inside the answer.
+    terminators_before = is_terminator.long().cumsum(-1) - is_terminator.long()
+    return terminators_before == 0
+
+
+def length_normaliser(
+    completion_ids: torch.LongTensor, terminator_ids: list[int] | tuple[int, ...], length_norm: str
+) -> torch.Tensor:
+    """The per-completion divisor N of ELBO differences: 1 (`"none"`), the canvas length L (`"canvas"`) or the
+    answer length (`"answer"`, terminator included).
+
+    It takes the completions rather than a region so that `"answer"` means the answer length whatever `elbo_region`
+    the estimator scores.
+
+    Args:
+        completion_ids (`torch.LongTensor` of shape `(batch, completion_length)`):
+            The completion canvases.
+        terminator_ids (`list[int]`):
+            Tokens that end a completion.
+        length_norm (`str`):
+            One of `"none"`, `"canvas"`, `"answer"`.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch,)`.
+    """
+    batch_size, completion_length = completion_ids.shape
+    if length_norm == "none":
+        return completion_ids.new_ones(batch_size, dtype=torch.float32)
+    if length_norm == "canvas":
+        return completion_ids.new_full((batch_size,), completion_length, dtype=torch.float32)
+    if length_norm == "answer":
+        return completion_region(completion_ids, terminator_ids, "answer").sum(-1).float()
+    raise ValueError(f"length_norm must be one of {LENGTH_NORMS}, got {length_norm!r}.")
+
+
+def stratified_counts(n: int, num_mc_samples: int, offset: int) -> list[int]:
+    """Mask sizes of the `stratified` sampler: `l_j = 1 + ((offset + floor(j * n / num_mc_samples)) mod n)`.
+
+    With `offset ~ U{0..n-1}` every `l_j` is marginally uniform over `{1..n}` (also when `num_mc_samples > n`),
+    so each sample is an unbiased ELBO estimate. Integer arithmetic on purpose: `round(linspace(...))` rounds half to
+    even and biases the sizes.
+
+    Args:
+        n (`int`):
+            Size of the region, at least 1.
+        num_mc_samples (`int`):
+            Number of Monte Carlo samples n_t.
+        offset (`int`):
+            The completion's offset k in `{0..n-1}`.
+    """
+    if n < 1 or not 0 <= offset < n:
+        raise ValueError(f"stratified_counts needs n >= 1 and 0 <= offset < n, got n={n}, offset={offset}.")
+    return [1 + (offset + j * n // num_mc_samples) % n for j in range(num_mc_samples)]
+
+
+def coupled_counts(n: int, num_mc_samples: int, offset: int) -> list[int]:
+    """Mask sizes of the `coupled` sampler (ESPO): `l_j = (offset + floor(j * (n + 1) / num_mc_samples)) mod (n + 1)`.
+
+    With `offset ~ U{0..n}` every `l_j` is marginally uniform over `{0..n}`; the complement pass masks `n - l_j`.
+
+    Args:
+        n (`int`):
+            Size of the region.
+        num_mc_samples (`int`):
+            Number of Monte Carlo pairs n_t.
+        offset (`int`):
+            The completion's offset k in `{0..n}`.
+    """
+    if n < 0 or not 0 <= offset <= n:
+        raise ValueError(f"coupled_counts needs n >= 0 and 0 <= offset <= n, got n={n}, offset={offset}.")
+    return [(offset + j * (n + 1) // num_mc_samples) % (n + 1) for j in range(num_mc_samples)]
+
+
+def stratified_timesteps(num_mc_samples: int, u: float, eps: float) -> list[float]:
+    """Timesteps of the `stratified_t` sampler: `t_j = eps + (1 - eps) * (u + j) / num_mc_samples`.
+
+    With `u ~ U[0, 1)` every `t_j` is marginally uniform on `[eps, 1)`, so the estimator has the same mean B_eps as
+    `uniform_t`, with less variance.
+
+    Args:
+        num_mc_samples (`int`):
+            Number of Monte Carlo samples n_t.
+        u (`float`):
+            The completion's uniform draw in `[0, 1)`.
+        eps (`float`):
+            Smallest timestep.
+    """
+    return [eps + (1.0 - eps) * (u + j) / num_mc_samples for j in range(num_mc_samples)]
+
+
+def term_weights(sampler: str, n: int, draw: float) -> tuple[float, float]:
+    """Weights of one Monte Carlo term `w * S(M) + w_c * S(R \\ M)`.
+
+    `stratified`: `(n / l, 0)`. `coupled`: `((n + 1) / (2 l), (n + 1) / (2 (n - l)))`, the 1/2 of the pair folded
+    in, an empty half weighted 0. `uniform_t`, `stratified_t`: `(1 / t, 0)`. Every weight is 0 when `n = 0`.
+
+    Args:
+        sampler (`str`):
+            One of `SAMPLERS`.
+        n (`int`):
+            Size of the region.
+        draw (`int` or `float`):
+            The mask size l (`stratified`, `coupled`) or the timestep t (`uniform_t`, `stratified_t`).
+    """
+    if n == 0:
+        return 0.0, 0.0
+    if sampler == "stratified":
+        return n / draw, 0.0
+    if sampler == "coupled":
+        weight = (n + 1) / (2 * draw) if draw > 0 else 0.0
+        complement_weight = (n + 1) / (2 * (n - draw)) if draw < n else 0.0
+        return weight, complement_weight
+    if sampler in ("uniform_t", "stratified_t"):
+        return 1.0 / draw, 0.0
+    raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}.")
+
+
+@dataclass
+class MaskPlan:
+    """The masks and weights of `num_mc_samples` Monte Carlo ELBO terms for each row of a batch.
+
+    Term j of row b is `weights[b, j] * S(masks[b, j])`, plus `complement_weights[b, j] * S(complement_masks[b, j])`
+    for the `coupled` sampler, where `S(M)` sums `log p(y_i | y with M masked)` over `i in M`. The ELBO estimate is
+    the mean of the terms over j.
+
+    Args:
+        masks (`torch.BoolTensor` of shape `(batch, num_mc_samples, completion_length)`):
+            Completion positions masked (and scored) by each term.
+        weights (`torch.FloatTensor` of shape `(batch, num_mc_samples)`):
+            Weight of each term's masked log-likelihood.
+        complement_masks (`torch.BoolTensor`, *optional*):
+            `coupled` only: the region positions each first pass left visible.
+        complement_weights (`torch.FloatTensor`, *optional*):
+            `coupled` only: weight of the complement pass.
+    """
+
+    masks: torch.BoolTensor
+    weights: torch.Tensor
+    complement_masks: torch.BoolTensor | None = None
+    complement_weights: torch.Tensor | None = None
+
+    @property
+    def num_mc_samples(self) -> int:
+        return self.masks.shape[1]
+
+
+def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, generator: torch.Generator) -> list:
+    """The per-completion part of a plan: each sample's mask size or timestep."""
+    if sampler == "stratified":
+        return stratified_counts(n, num_mc_samples, int(torch.randint(n, (), generator=generator)))
+    if sampler == "coupled":
+        return coupled_counts(n, num_mc_samples, int(torch.randint(n + 1, (), generator=generator)))
+    uniforms = torch.rand(num_mc_samples, generator=generator, dtype=torch.float64)
+    if sampler == "uniform_t":
+        return (eps + (1.0 - eps) * uniforms).tolist()
+    return stratified_timesteps(num_mc_samples, float(uniforms[0]), eps)
+
+
+def sample_masks(
+    sampler: str,
+    region: torch.BoolTensor,
+    seeds: torch.LongTensor,
+    iteration: int,
+    num_mc_samples: int,
+    eps: float = 1e-3,
+) -> MaskPlan:
+    """Draws the Monte Carlo masks of every row, deterministically from (row seed, iteration, Monte Carlo index).
+
+    - `stratified`: one offset per completion, mask sizes from [`stratified_counts`], a uniformly random subset of
+      exactly l_j region positions, weight n / l_j.
+    - `coupled`: sizes from [`coupled_counts`], a random subset of l_j positions and its complement in the region,
+      weights from [`term_weights`] (two forward passes per term).
+    - `uniform_t`: t ~ U(eps, 1) per term, each region position masked with probability t, weight 1 / t.
+    - `stratified_t`: t_j from [`stratified_timesteps`] with one u ~ U[0, 1) per completion, Bernoulli(t_j)
+      masking, weight 1 / t_j.
+
+    Args:
+        sampler (`str`):
+            One of `SAMPLERS`.
+        region (`torch.BoolTensor` of shape `(batch, completion_length)`):
+            Maskable positions (see [`completion_region`]); positions outside are never masked.
+        seeds (`torch.LongTensor` of shape `(batch,)`):
+            Per-row mask seeds (see [`new_mask_seeds`]).
+        iteration (`int`):
+            Inner-iteration index (0..num_iterations-1); each iteration gets fresh masks.
+        num_mc_samples (`int`):
+            Number of Monte Carlo terms n_t per row.
+        eps (`float`, *optional*, defaults to `1e-3`):
+            Smallest timestep of `uniform_t` and `stratified_t` (the weight 1/t has infinite variance at 0).
+
+    Returns:
+        [`MaskPlan`] on the device of `region`.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}.")
+    if num_mc_samples < 1:
+        raise ValueError(f"num_mc_samples must be at least 1, got {num_mc_samples}.")
+    if sampler in ("uniform_t", "stratified_t") and not 0.0 < eps < 1.0:
+        raise ValueError(f"eps must lie in (0, 1), got {eps}.")
+    if seeds.shape != region.shape[:1]:
+        raise ValueError(f"seeds must have shape ({region.shape[0]},), got {tuple(seeds.shape)}.")
+
+    region_cpu = region.detach().to("cpu", torch.bool)
+    batch_size, completion_length = region_cpu.shape
+    masks = torch.zeros(batch_size, num_mc_samples, completion_length, dtype=torch.bool)
+    # float32 like the log-probs they scale (and usable on devices without float64).
+    weights = torch.zeros(batch_size, num_mc_samples, dtype=torch.float32)
+    complement_weights = torch.zeros_like(weights)
+    by_count = sampler in ("stratified", "coupled")
+
+    for row, seed in enumerate(seeds.tolist()):
+        positions = region_cpu[row].nonzero().squeeze(-1)
+        n = positions.numel()
+        if n == 0:
+            continue  # nothing to score: every term is 0, and its forward pass still runs
+        draws = _completion_draws(sampler, n, num_mc_samples, eps, _generator(seed, iteration, _COMPLETION_STREAM))
+        for mc_index, draw in enumerate(draws):
+            generator = _generator(seed, iteration, _SAMPLE_STREAM, mc_index)
+            if by_count:
+                chosen = positions[torch.randperm(n, generator=generator)[:draw]]
+            else:
+                chosen = positions[torch.rand(n, generator=generator, dtype=torch.float64) < draw]
+            masks[row, mc_index, chosen] = True
+            weights[row, mc_index], complement_weights[row, mc_index] = term_weights(sampler, n, draw)
+
+    device = region.device
+    if sampler != "coupled":
+        return MaskPlan(masks=masks.to(device), weights=weights.to(device))
+    complement_masks = region_cpu.unsqueeze(1) & ~masks
+    return MaskPlan(
+        masks=masks.to(device),
+        weights=weights.to(device),
+        complement_masks=complement_masks.to(device),
+        complement_weights=complement_weights.to(device),
+    )
+
+
+def sample_prompt_masks(
+    prompt_mask: torch.Tensor, p_mask_prompt: float, seeds: torch.LongTensor, iteration: int
+) -> torch.BoolTensor:
+    """d1's prompt masking: each real (non-pad) prompt token is masked with probability `p_mask_prompt`.
+
+    The draws follow each row's real tokens in order, so a row's mask does not depend on how much left padding its
+    batch gives it.
+
+    Args:
+        prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
+            1 for real prompt tokens, 0 for left padding.
+        p_mask_prompt (`float`):
+            Masking probability.
+        seeds (`torch.LongTensor` of shape `(batch,)`):
+            Per-row mask seeds.
+        iteration (`int`):
+            Inner-iteration index; each iteration gets fresh masks.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch, prompt_length)` on the device of `prompt_mask`.
+    """
+    real = prompt_mask.detach().to("cpu").bool()
+    masked = torch.zeros_like(real)
+    if p_mask_prompt > 0:
+        for row, seed in enumerate(seeds.tolist()):
+            positions = real[row].nonzero().squeeze(-1)
+            generator = _generator(seed, iteration, _PROMPT_STREAM)
+            draws = torch.rand(positions.numel(), generator=generator, dtype=torch.float64)
+            masked[row, positions[draws < p_mask_prompt]] = True
+    return masked.to(prompt_mask.device)
