@@ -23,14 +23,22 @@ def _scored_logprobs(
     attention_mask: torch.Tensor,
     targets: torch.LongTensor,
     scored: torch.BoolTensor,
-) -> torch.Tensor:
-    """One forward pass over the canvas; float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere."""
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass over the canvas; float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere
+    (and, with `return_entropy`, the entropy of each scored prediction, 0 elsewhere)."""
     logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
     # Gather the scored rows before normalising: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
     scored_logits = logits[scored].float()
-    logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - scored_logits.logsumexp(-1)
+    normaliser = scored_logits.logsumexp(-1)
+    logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - normaliser
     # With nothing scored the output is still attached to the graph (through the empty gather), as DDP requires.
-    return torch.zeros(scored.shape, dtype=torch.float32, device=logprobs.device).masked_scatter(scored, logprobs)
+    placeholder = torch.zeros(scored.shape, dtype=torch.float32, device=logprobs.device)
+    if not return_entropy:
+        return placeholder.masked_scatter(scored, logprobs)
+    log_probs_all = scored_logits - normaliser.unsqueeze(-1)
+    entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
+    return placeholder.masked_scatter(scored, logprobs), placeholder.masked_scatter(scored, entropy.detach())
 
 
 def masked_token_logprobs(
@@ -147,7 +155,8 @@ def mean_field_logprobs(
     seeds: torch.LongTensor,
     iteration: int,
     region: torch.BoolTensor | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """d1's one-pass per-token log-probs: every completion position masked, each real prompt token masked with
     probability `p_mask_prompt`, `log p(y_i)` read at each completion position. Logits are not divided by the
     sampling temperature.
@@ -163,9 +172,13 @@ def mean_field_logprobs(
             Inner-iteration index; each iteration masks the prompt afresh.
         region (`torch.BoolTensor` of shape `(batch, completion_length)`, *optional*):
             Positions to score (default: all); others are still masked in the input but get 0 and no softmax.
+        return_entropy (`bool`, *optional*, defaults to `False`):
+            Also return the (detached) entropy of each scored prediction, as TRL's GRPO metrics and entropy masking
+            expect.
 
     Returns:
-        `torch.FloatTensor` of shape `(batch, completion_length)`.
+        `torch.FloatTensor` of shape `(batch, completion_length)`, and with `return_entropy` a second one holding
+        the entropies.
     """
     prompt_masked = sample_prompt_masks(prompt_mask, p_mask_prompt, seeds, iteration)
     input_ids = torch.cat(
@@ -177,7 +190,7 @@ def mean_field_logprobs(
     )
     attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
     scored = torch.ones_like(completion_ids, dtype=torch.bool) if region is None else region
-    return _scored_logprobs(model, adapter, input_ids, attention_mask, completion_ids, scored)
+    return _scored_logprobs(model, adapter, input_ids, attention_mask, completion_ids, scored, return_entropy)
 
 
 def _count_weights(n: int, eps: float) -> list[float]:

@@ -8,6 +8,8 @@ output at position `i` predicts token `i + 1`); the package's adapter undoes tha
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -32,6 +34,9 @@ class DreamConfig(Qwen2Config):
     """
 
     model_type = "Dream"
+    # A class attribute, not a field (never serialised): TRL reads `config.auto_map` to pick an Auto class for
+    # architectures transformers does not export; published configs set it per instance.
+    auto_map = MappingProxyType({})
     default_theta = 1_000_000.0
 
     vocab_size: int = 152064

@@ -10,10 +10,12 @@ gradient checkpointing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import MappingProxyType
 
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
+from transformers import GenerationConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
@@ -136,6 +138,9 @@ class LLaDAConfig(PreTrainedConfig):
     """
 
     model_type = "llada"
+    # A class attribute, not a field (never serialised): TRL reads `config.auto_map` to pick an Auto class for
+    # architectures transformers does not export; published configs set it per instance.
+    auto_map = MappingProxyType({})
     keys_to_ignore_at_inference = ["cache"]
 
     d_model: int = 4096
@@ -515,6 +520,9 @@ class LLaDAModelLM(LLaDAPreTrainedModel):
         super().__init__(config)
         self.model = LLaDAModel(config)
         self.post_init()
+        # Not an autoregressive `GenerationMixin` model (decode with `trl_diffusion.generate`), but trainers such as
+        # TRL's read the special ids from `generation_config`, as on every transformers language model.
+        self.generation_config = GenerationConfig.from_model_config(config)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.transformer.wte

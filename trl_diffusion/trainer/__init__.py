@@ -1,0 +1,23 @@
+"""The trainers: a shared GRPOTrainer base with diffusion rollouts, and one config/trainer pair per algorithm."""
+
+from .base import DiffusionGRPOConfig, DiffusionGRPOTrainer
+from .bgpo_config import BGPOConfig
+from .bgpo_trainer import BGPOTrainer
+from .diffu_grpo_config import DiffuGRPOConfig
+from .diffu_grpo_trainer import DiffuGRPOTrainer
+from .sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
+from .vrpo_config import VRPOConfig
+from .vrpo_trainer import VRPOTrainer
+
+__all__ = [
+    "BGPOConfig",
+    "BGPOTrainer",
+    "DiffuGRPOConfig",
+    "DiffuGRPOTrainer",
+    "DiffusionGRPOConfig",
+    "DiffusionGRPOTrainer",
+    "SequenceELBOConfig",
+    "SequenceELBOTrainer",
+    "VRPOConfig",
+    "VRPOTrainer",
+]

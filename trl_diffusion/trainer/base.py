@@ -1,0 +1,499 @@
+"""What every trl_diffusion trainer shares: a `GRPOConfig` with the diffusion sampler and estimator settings, and a
+`GRPOTrainer` whose rollouts come from the denoising sampler.
+
+Everything else stays TRL's: chat templates, reward functions and weights, group advantages, gathering across
+processes, metrics and completion logs, PEFT, the reference model, `num_iterations` / `steps_per_generation`
+buffering, evaluation, checkpoints and the Hub. A subclass adds its likelihood proxy (`_score_rollouts`, computed
+once per rollout under no_grad) and its objective (`_compute_loss`).
+
+Randomness: every rollout row gets a key derived from (`seed`, the rollout's place in training, the row's global index
+across processes). Its sampling noise and its Monte Carlo masks come from private generators seeded by that key, so
+a run is reproducible, old / reference / current passes share masks, and two processes compute exactly what one
+process computes over the same global batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+from trl.trainer.utils import get_config_model_id, pad, use_adapter
+
+from ..generation import REMASKING_STRATEGIES, SCHEDULES, DiffusionGenerationConfig, cut_at_terminator, generate
+from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS, derive_seed
+from ..models.adapter import DiffusionAdapter
+
+logger = logging.getLogger(__name__)
+
+# Streams of randomness derived from one rollout row key.
+_SAMPLING_STREAM = 0
+_MASK_STREAM = 1
+
+
+@dataclass
+class DiffusionGRPOConfig(GRPOConfig):
+    r"""
+    Configuration shared by the trl_diffusion trainers: TRL's [`~trl.GRPOConfig`] plus the diffusion sampler
+    (rollouts) and the Monte Carlo likelihood estimator. `max_completion_length` is the length L of the generated
+    canvas and `temperature` the sampling temperature of the denoiser.
+
+    Parameters that control the sampler:
+
+        mask_token_id (`int`, *optional*):
+            Id of the mask token. Default: the model config's `mask_token_id`, then the tokenizer's, then the known
+            value of the model family (LLaDA 126336, Dream 151666).
+        block_length (`int`, *optional*, defaults to `32`):
+            Length of the semi-autoregressive blocks; must divide `max_completion_length`.
+        diffusion_steps (`int`, *optional*):
+            Denoising steps for the whole completion (a multiple of the number of blocks). Default:
+            `max_completion_length // 2`, or `max_completion_length` (an upper bound) with `threshold`.
+        remasking (`str`, *optional*, defaults to `"low_confidence"`):
+            Which proposals are committed first: `low_confidence`, `random`, `entropy` or `margin`.
+        schedule (`str`, *optional*, defaults to `"linear"`):
+            Tokens committed per step: `linear` (LLaDA) or `cosine`.
+        cfg_scale (`float`, *optional*, defaults to `0.0`):
+            Classifier-free guidance scale of the sampler (0 is off).
+        threshold (`float`, *optional*):
+            Confidence-threshold parallel decoding (Fast-dLLM); `None` is off.
+        early_stop (`bool`, *optional*, defaults to `False`):
+            Stop denoising a row once it has committed a terminator with nothing masked before it; the rest of its
+            canvas is filled with EOS.
+        defer_terminators (`bool`, *optional*, defaults to `False`):
+            Commit terminator proposals last (LLaDA 1.5's `confidence_eos_eot_inf`).
+        max_prompt_length (`int`, *optional*, defaults to `512`):
+            Prompts longer than this are truncated from the left (the end of a prompt is what the completion
+            follows). `None` keeps them whole.
+        generation_progress_bar (`bool`, *optional*, defaults to `False`):
+            Show a progress bar over the denoising steps of each rollout.
+
+    Parameters that control the likelihood estimator:
+
+        num_mc_samples (`int`, *optional*, defaults to `1`):
+            Monte Carlo samples n_t of the ELBO per completion (pairs for the `coupled` sampler).
+        mask_sampler (`str`, *optional*, defaults to `"stratified"`):
+            How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t` or `stratified_t`.
+        elbo_region (`str`, *optional*, defaults to `"canvas"`):
+            Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
+            including the first terminator).
+        length_norm (`str`, *optional*, defaults to `"canvas"`):
+            Divisor N of ELBO differences: `none`, `canvas` (L) or `answer` (answer length).
+        timestep_eps (`float`, *optional*, defaults to `1e-3`):
+            Smallest timestep of the `uniform_t` and `stratified_t` samplers.
+    """
+
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
+            "(LLaDA 126336, Dream 151666)."
+        },
+    )
+    block_length: int = field(
+        default=32, metadata={"help": "Length of the semi-autoregressive blocks; must divide max_completion_length."}
+    )
+    diffusion_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Denoising steps for the whole completion (a multiple of the number of blocks). Default: "
+            "max_completion_length // 2, or max_completion_length with `threshold`."
+        },
+    )
+    remasking: str = field(
+        default="low_confidence",
+        metadata={"help": "Which proposals are committed first.", "choices": list(REMASKING_STRATEGIES)},
+    )
+    schedule: str = field(
+        default="linear", metadata={"help": "Tokens committed per denoising step.", "choices": list(SCHEDULES)}
+    )
+    cfg_scale: float = field(default=0.0, metadata={"help": "Classifier-free guidance scale (0 is off)."})
+    threshold: float | None = field(
+        default=None, metadata={"help": "Confidence-threshold parallel decoding (Fast-dLLM); None is off."}
+    )
+    early_stop: bool = field(
+        default=False,
+        metadata={"help": "Stop a row once it has committed a terminator with nothing masked before it."},
+    )
+    defer_terminators: bool = field(
+        default=False, metadata={"help": "Commit terminator proposals last (LLaDA 1.5's confidence_eos_eot_inf)."}
+    )
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Prompts longer than this are truncated from the left. None keeps them whole."},
+    )
+    generation_progress_bar: bool = field(
+        default=False, metadata={"help": "Show a progress bar over the denoising steps of each rollout."}
+    )
+    num_mc_samples: int = field(
+        default=1, metadata={"help": "Monte Carlo samples of the ELBO per completion (pairs for `coupled`)."}
+    )
+    mask_sampler: str = field(
+        default="stratified", metadata={"help": "How the Monte Carlo masks are drawn.", "choices": list(SAMPLERS)}
+    )
+    elbo_region: str = field(
+        default="canvas",
+        metadata={
+            "help": "Positions masked and scored: the whole canvas or the answer up to its first terminator.",
+            "choices": list(ELBO_REGIONS),
+        },
+    )
+    length_norm: str = field(
+        default="canvas",
+        metadata={"help": "Divisor of ELBO differences: none, canvas (L) or answer.", "choices": list(LENGTH_NORMS)},
+    )
+    timestep_eps: float = field(
+        default=1e-3, metadata={"help": "Smallest timestep of the uniform_t and stratified_t samplers."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        unsupported = {
+            "use_vllm": "vLLM has no masked-diffusion sampler",
+            "use_transformers_continuous_batching": "continuous batching decodes autoregressively",
+            "use_liger_kernel": "Liger's fused kernels assume a causal language-model head",
+        }
+        for name, reason in unsupported.items():
+            if getattr(self, name, False):
+                raise ValueError(
+                    f"`{name}=True` is not supported by trl_diffusion ({reason}); rollouts come from the built-in "
+                    f"diffusion sampler. Set `{name}=False`."
+                )
+        sampling_defaults = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+        for name, default in sampling_defaults.items():
+            if getattr(self, name) not in (default, None if default == 0 else default):
+                raise ValueError(
+                    f"`{name}={getattr(self, name)}` is not supported by the diffusion sampler (it samples with "
+                    f"`temperature` only). Leave `{name}` at {default!r}."
+                )
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError("`max_completion_length` (the canvas length L) must be a positive integer.")
+        if self.num_mc_samples < 1:
+            raise ValueError(f"`num_mc_samples` must be at least 1, got {self.num_mc_samples}.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"`max_prompt_length` must be positive or None, got {self.max_prompt_length}.")
+        if not 0.0 < self.timestep_eps < 1.0:
+            raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
+        for name, choices in (
+            ("mask_sampler", SAMPLERS),
+            ("elbo_region", ELBO_REGIONS),
+            ("length_norm", LENGTH_NORMS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
+        # Validates the sampler settings now rather than at the first rollout; messages name the sampler's fields.
+        try:
+            self.to_generation_config()
+        except ValueError as error:
+            raise ValueError(
+                f"Invalid sampler settings ({error}). In this config `gen_length` is `max_completion_length` and "
+                "`steps` is `diffusion_steps`."
+            ) from None
+
+    def to_generation_config(self) -> DiffusionGenerationConfig:
+        """The [`DiffusionGenerationConfig`] of the rollouts."""
+        return DiffusionGenerationConfig(
+            gen_length=self.max_completion_length,
+            block_length=self.block_length,
+            steps=self.diffusion_steps,
+            schedule=self.schedule,
+            remasking=self.remasking,
+            temperature=self.temperature,
+            cfg_scale=self.cfg_scale,
+            threshold=self.threshold,
+            early_stop=self.early_stop,
+            defer_terminators=self.defer_terminators,
+        )
+
+
+def guard_reward_function(func, on_error):
+    """Wraps a reward function so that an exception costs its batch (rewards `None`, i.e. unscored) instead of the
+    run, and a wrong number of rewards raises a clear error. Keeps the name and the sync/async nature TRL reads."""
+
+    def checked(rewards, kwargs):
+        expected = len(kwargs["prompts"])
+        if rewards is not None and len(rewards) != expected:
+            raise ValueError(
+                f"The reward function {func.__name__!r} returned {len(rewards)} rewards for {expected} completions: "
+                "it must return one reward (or None) per completion."
+            )
+        return rewards
+
+    if asyncio.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def guarded_async(*args, **kwargs):
+            try:
+                rewards = await func(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - any failure of user code costs one batch, not the run
+                on_error(func.__name__, error)
+                return [None] * len(kwargs["prompts"])
+            return checked(rewards, kwargs)
+
+        return guarded_async
+
+    @functools.wraps(func)
+    def guarded(*args, **kwargs):
+        try:
+            rewards = func(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure of user code costs one batch, not the run
+            on_error(func.__name__, error)
+            return [None] * len(kwargs["prompts"])
+        return checked(rewards, kwargs)
+
+    return guarded
+
+
+class DiffusionGRPOTrainer(GRPOTrainer):
+    """The shared base of the trl_diffusion trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
+
+    It is not an algorithm by itself: subclasses define `_score_rollouts` (old and reference likelihood terms,
+    computed once per rollout batch under no_grad) and `_compute_loss`. Arguments are those of
+    [`~trl.GRPOTrainer`]; `tools`, `rollout_func` and `environment_factory` are refused because the denoiser
+    generates each completion in one piece.
+
+    Args:
+        model (`str` or `PreTrainedModel` or `PeftModel`):
+            A masked diffusion model or the path / Hub id of one (native LLaDA and Dream load without remote code).
+        reward_funcs (`RewardFunc` or `list[RewardFunc]`):
+            TRL reward functions. A function that raises is logged and its batch left unscored (never the run
+            killed); one that returns the wrong number of rewards raises a `ValueError`.
+        args ([`DiffusionGRPOConfig`], *optional*):
+            Configuration (the subclass's own config class).
+        train_dataset, eval_dataset, processing_class, reward_processing_classes, callbacks, optimizers,
+        quantization_config, peft_config:
+            As in [`~trl.GRPOTrainer`].
+    """
+
+    config_class = DiffusionGRPOConfig
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
+    _name = "DiffusionGRPO"
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: DiffusionGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")
+        if not isinstance(args, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.config_class.__name__} (got {type(args).__name__}): its "
+                "sampler and estimator settings drive training."
+            )
+        for name, value in (
+            ("tools", tools),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` is not supported: the diffusion sampler denoises each completion in one piece, with no "
+                    "turn-by-turn generation to hook into."
+                )
+        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise ValueError("`train_dataset` is empty: there are no prompts to train on.")
+
+        self._reward_errors: dict[str, int] = {}
+        if reward_funcs is not None:
+            reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+            reward_funcs = [
+                guard_reward_function(func, self._record_reward_error)
+                if callable(func) and not isinstance(func, (str, torch.nn.Module))
+                else func
+                for func in reward_funcs
+            ]
+
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+
+        adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
+        # One set of terminators for the sampler, the ELBO region and TRL's cut / truncation metrics.
+        terminators = tuple(dict.fromkeys([*adapter.terminator_ids, *self.eos_token_ids]))
+        self.adapter = replace(adapter, terminator_ids=terminators)
+        self.eos_token_ids = list(terminators)
+        self.diffusion_generation_config = args.to_generation_config()
+
+        self._scoring_rollouts = False
+        self._pending_rollout = None
+        self._eval_rollouts = 0
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _record_reward_error(self, name: str, error: Exception) -> None:
+        self._reward_errors[name] = self._reward_errors.get(name, 0) + 1
+        logger.warning(
+            "Reward function %r raised %s: %s. Its rewards for this batch are left unscored (None).",
+            name,
+            type(error).__name__,
+            error,
+        )
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = self.args.max_prompt_length
+        if limit is not None:
+            # Keep the end of the prompt: the generation prompt of the chat template sits there.
+            prompt_ids = [ids[-limit:] for ids in prompt_ids]
+        return prompt_ids, images, multimodal_fields
+
+    def _rollout_row_keys(self, num_rows: int) -> list[int]:
+        """One key per rollout row, from (seed, the rollout's place in training, the row's global index)."""
+        if self.model.training:
+            rollout_key = derive_seed(self.args.seed, 0, self.state.global_step, self._step)
+        else:
+            rollout_key = derive_seed(self.args.seed, 1, self.state.global_step, self._eval_rollouts)
+        first_row = self.accelerator.process_index * num_rows
+        return [derive_seed(rollout_key, first_row + row) for row in range(num_rows)]
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise ValueError("Multimodal prompts are not supported by the diffusion sampler.")
+        device = self.accelerator.device
+        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
+        # The same padding as TRL's batch (`prompt_ids` / `prompt_mask`), so the scored canvas lines up with it.
+        input_ids = pad(
+            prompt_tensors,
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        attention_mask = pad(
+            [torch.ones_like(ids) for ids in prompt_tensors],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        row_keys = self._rollout_row_keys(len(prompt_ids))
+        generators = [
+            torch.Generator(device=device).manual_seed(derive_seed(key, _SAMPLING_STREAM)) for key in row_keys
+        ]
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            rollout = generate(
+                unwrapped_model,
+                input_ids,
+                attention_mask,
+                generation_config=self.diffusion_generation_config,
+                adapter=self.adapter,
+                generator=generators,
+                progress_bar=self.args.generation_progress_bar,
+            )
+        mask_seeds = torch.tensor([derive_seed(key, _MASK_STREAM) >> 2 for key in row_keys], dtype=torch.long)
+        self._pending_rollout = (rollout, mask_seeds.to(device))
+        return cut_at_terminator(rollout.completion_ids, self.eos_token_ids), None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._scoring_rollouts:
+            # TRL's token-level old/reference pass over its cut batch: the trainers compute their own terms on the
+            # generated canvas in `_score_rollouts` instead, so this placeholder is dropped unused.
+            return torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device), None, None
+        return self._completion_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _completion_logps(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} scores completions with sequence-level ELBO terms, not per-token log-probs."
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        mode = "train" if self.model.training else "eval"
+        self._scoring_rollouts = True
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._scoring_rollouts = False
+        rollout, mask_seeds = self._pending_rollout
+        self._pending_rollout = None
+        if mode == "eval":
+            self._eval_rollouts += 1
+        output.pop("old_per_token_logps", None)
+        output.pop("ref_per_token_logps", None)
+        # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
+        output["completion_canvas"] = rollout.completion_ids
+        output["mask_seeds"] = mask_seeds
+
+        metrics = self._metrics[mode]
+        metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
+        metrics["diffusion/tokens_per_forward"].append(rollout.tokens_per_forward)
+        for name in self.reward_func_names:
+            metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
+
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            output.update(self._score_rollouts(output, mode))
+        return output
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        """Computes, under no_grad and once per rollout batch, what the objective needs from the old and reference
+        policies. Returns batch-first tensors to add to the batch. The base class needs nothing."""
+        return {}
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        iteration = 0
+        if self.model.training:
+            iteration = (self._step // self.args.steps_per_generation) % self.num_iterations
+        # The inner iteration keys the Monte Carlo masks: each pass over the same rollouts draws fresh ones.
+        return {**inputs, "mc_iteration": iteration}
+
+    # ------------------------------------------------------------------ shared helpers
+
+    @property
+    def is_off_policy(self) -> bool:
+        """Whether the policy that is updated may differ from the one that generated the rollouts (rollouts are
+        reused across optimiser steps), so that old-policy terms must be computed at generation time (TRL's rule)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0
+
+    def num_iterations_for(self, mode: str) -> int:
+        return self.num_iterations if mode == "train" else 1
+
+    @contextmanager
+    def reference_model(self):
+        """The reference policy: the separate reference model, or the trained model with its adapter disabled (or
+        switched to the initial "ref" adapter) under PEFT, as TRL does."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            yield self.model
+
+    def rollout_inputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(prompt_ids, prompt_mask, completion_canvas)` of a batch: what the likelihood estimators score."""
+        return inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_canvas"]

@@ -1,0 +1,146 @@
+import textwrap
+import time
+from contextlib import nullcontext
+
+import torch
+from accelerate.utils import DistributedType
+
+from ..masking import MaskPlan
+from .bgpo_config import BGPOConfig
+from .sequence_elbo import MAX_LOG_RATIO, SequenceELBOTrainer
+
+
+class BGPOTrainer(SequenceELBOTrainer):
+    r"""Boundary-Guided Policy Optimization for masked diffusion language models.
+
+    The ELBO objective `A * exp(mean_j d_j)`, `d_j = (l_theta(j) - l_old(j)) / N`, is non-linear in the Monte Carlo
+    samples, so its gradient needs all their graphs at once. BGPO maximises a lower bound that is a sum over samples,
+    `sum_j g_j` with `g_j = A * r_j / n_t`, `r_j = 1 + d_j` for `A >= 0` (tangent: `e^x >= 1 + x`) and
+    `r_j = exp(d_j)` for `A < 0` (Jensen): each sample gets its own forward and backward inside `training_step`, and
+    activation memory stays that of one sample whatever `num_mc_samples`. On-policy (`d_j = 0`) value and gradient
+    equal VRPO's.
+
+    Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`BGPOConfig`].
+
+    Example:
+
+    ```python
+    from trl_diffusion import BGPOConfig, BGPOTrainer
+
+    trainer = BGPOTrainer(
+        model="GSAI-ML/LLaDA-8B-Instruct",
+        reward_funcs=my_reward,
+        args=BGPOConfig(output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    ```
+    """
+
+    config_class = BGPOConfig
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "bgpo"]
+    _name = "BGPO"
+    _paper = {
+        "title": "Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language Models",
+        "id": "2510.11683",
+        "citation": textwrap.dedent("""\
+            @article{lin2025bgpo,
+                title        = {{Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language Models}},
+                author       = {Nianyi Lin and Jiajie Zhang and Lei Hou and Juanzi Li},
+                year         = 2025,
+                eprint       = {arXiv:2510.11683},
+            }"""),
+    }
+
+    def _sample_loss(self, model, inputs: dict, plan: MaskPlan, mc_index: int, mode: str):
+        """The loss of Monte Carlo sample `mc_index` over the micro-batch, `-mean_b g_bj / GA` (plus its share of the
+        KL), and its detached `(d_j, g_j, clamp hits)`."""
+        advantages = inputs["advantages"]
+        num_samples = plan.num_mc_samples
+        term = self.elbo_term(model, inputs, plan, mc_index).float()
+        old_terms = self.iteration_terms(inputs, "old_elbo_terms")
+        # On-policy the old term is the current one, detached: no extra forward pass.
+        old_term = term.detach() if old_terms is None else old_terms[:, mc_index]
+        d = (term - old_term) / self.elbo_normaliser(inputs)
+        clamp_hits = (d > MAX_LOG_RATIO) & (advantages < 0)
+        ratio = torch.where(advantages >= 0, 1 + d, torch.exp(d.clamp(max=MAX_LOG_RATIO)))
+        bound = self.clipped_objective(ratio, advantages) / num_samples
+        per_completion = -bound
+        if self.beta != 0.0:
+            ref_term = self.iteration_terms(inputs, "ref_elbo_terms")[:, mc_index]
+            # Per-sample k2 (by Jensen at least the sequence k2): the objective stays a sum over samples.
+            per_completion = per_completion + self.beta * self.sequence_kl(term, ref_term) / num_samples
+        loss = per_completion.mean() / self.loss_scale(mode)
+        return loss, (term.detach(), d.detach(), bound.detach(), clamp_hits)
+
+    def _log_bound_metrics(self, mode: str, inputs: dict, stats: list) -> None:
+        terms, d, bound, clamp_hits = (torch.stack(values, dim=1) for values in zip(*stats))
+        advantages = inputs["advantages"].double()
+        # The gap to the unclipped ELBO objective A * exp(mean_j d_j); >= 0 whenever no clamp was hit.
+        gap = advantages * torch.exp(d.double().mean(dim=1)) - bound.double().sum(dim=1)
+        metrics = self._metrics[mode]
+        gathered = self.accelerator.gather(
+            torch.stack(
+                [terms.mean(dim=1), gap.float(), d.std(dim=1, unbiased=False), clamp_hits.float().sum(dim=1)], dim=1
+            )
+        )
+        metrics["elbo/mean"].append(gathered[:, 0].mean().item())
+        metrics["bound/gap_mean"].append(gathered[:, 1].mean().item())
+        metrics["bound/gap_min"].append(gathered[:, 1].min().item())
+        metrics["bound/d_spread"].append(gathered[:, 2].mean().item())
+        metrics["bound/clamp_hits"].append(gathered[:, 3].sum().item())
+        self.log_ratio_metrics(mode, d.mean(dim=1), inputs["advantages"])
+
+    def _compute_loss(self, model, inputs):
+        """The whole lower bound in one graph: what evaluation reports. Training goes through `training_step`, which
+        back-propagates each sample on its own."""
+        mode = "train" if self.model.training else "eval"
+        plan = self.mask_plan(inputs, inputs["mc_iteration"])
+        losses, stats = zip(*(self._sample_loss(model, inputs, plan, j, mode) for j in range(plan.num_mc_samples)))
+        self._log_bound_metrics(mode, inputs, list(stats))
+        return sum(losses)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch: a forward and a backward per Monte Carlo sample, gradients accumulating across samples.
+
+        Only the last sample of the micro-batch that ends an accumulation cycle synchronises gradients: under DDP the
+        others run in `no_sync`, under DeepSpeed they are marked as inside the accumulation boundary (its backward
+        would otherwise step the optimiser after the first sample).
+        """
+        start = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        plan = self.mask_plan(inputs, inputs["mc_iteration"])
+        is_deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        # GRPO's loss is already divided by the accumulation steps.
+        backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
+        syncs_this_micro_batch = self.accelerator.sync_gradients
+        total_loss = torch.zeros((), device=self.accelerator.device)
+        stats = []
+        try:
+            for mc_index in range(plan.num_mc_samples):
+                is_last = mc_index == plan.num_mc_samples - 1
+                if is_deepspeed:
+                    self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch and is_last)
+                # The Trainer already runs non-syncing micro-batches in no_sync; nesting it is not safe under FSDP2.
+                skip_sync = syncs_this_micro_batch and not is_last and not is_deepspeed
+                with self.accelerator.no_sync(model) if skip_sync else nullcontext():
+                    with self.compute_loss_context_manager():
+                        loss, sample_stats = self._sample_loss(model, inputs, plan, mc_index, "train")
+                    self.accelerator.backward(loss, **backward_kwargs)
+                total_loss += loss.detach()
+                stats.append(sample_stats)
+        finally:
+            if is_deepspeed:
+                self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch)
+        self._log_bound_metrics("train", inputs, stats)
+
+        # GRPOTrainer.training_step's bookkeeping, which this method replaces: `_step` drives rollout buffering.
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return total_loss

@@ -1,0 +1,41 @@
+from dataclasses import dataclass, field
+
+from .base import DiffusionGRPOConfig
+
+
+@dataclass
+class DiffuGRPOConfig(DiffusionGRPOConfig):
+    r"""
+    Configuration of [`DiffuGRPOTrainer`] (d1's diffu-GRPO). Every field of [`DiffusionGRPOConfig`] and TRL's
+    `GRPOConfig` applies, with d1's defaults where it departs from TRL's: `loss_type="bnpo"`, `epsilon=0.5`,
+    `beta=0.04`, `use_bias_correction_kl=False`, `scale_rewards="none"` (advantages are reward minus the group mean),
+    `temperature=0.9`. d1's recipe also uses `num_iterations` 12 (GSM8K, MATH) or 8 (Countdown, Sudoku),
+    `num_generations=6`, `max_completion_length=256`, `block_length=32`, `diffusion_steps=128`,
+    `learning_rate=3e-6`, `max_grad_norm=0.2` and LoRA r=128, alpha=64 on a 4-bit base.
+
+    Parameters:
+
+        p_mask_prompt (`float`, *optional*, defaults to `0.15`):
+            Probability of masking each prompt token in the one-pass log-probability estimate, drawn afresh for each
+            inner iteration (the same draw for the current, old and reference policies).
+    """
+
+    p_mask_prompt: float = field(
+        default=0.15,
+        metadata={"help": "Probability of masking each prompt token in the one-pass log-probability estimate."},
+    )
+    loss_type: str = field(default="bnpo", metadata={"help": "TRL's token-level loss aggregation (d1: bnpo)."})
+    epsilon: float = field(default=0.5, metadata={"help": "PPO clip range (d1: 0.5)."})
+    beta: float = field(default=0.04, metadata={"help": "KL coefficient of the k3 estimator (d1: 0.04)."})
+    use_bias_correction_kl: bool = field(
+        default=False, metadata={"help": "Multiply the k3 KL by the importance ratio (d1: no)."}
+    )
+    scale_rewards: str = field(
+        default="none", metadata={"help": "Advantage scaling: group, batch or none (d1: none, no std division)."}
+    )
+    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (d1: 0.9)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.p_mask_prompt < 1.0:
+            raise ValueError(f"`p_mask_prompt` must lie in [0, 1), got {self.p_mask_prompt}.")

@@ -1,0 +1,130 @@
+import textwrap
+
+import torch
+
+from ..likelihood import mean_field_logprobs
+from .base import DiffusionGRPOTrainer
+from .diffu_grpo_config import DiffuGRPOConfig
+
+
+class DiffuGRPOTrainer(DiffusionGRPOTrainer):
+    r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
+
+    The log-probability of completion token `y_i` is read from one forward pass in which every completion position is
+    masked and each prompt token is masked with probability `p_mask_prompt`; the prompt mask is drawn afresh for each
+    inner iteration and shared by the current, old and reference policies. Everything else (clipping, the k3 KL,
+    every `loss_type`, entropy masking, metrics) is TRL's `GRPOTrainer`.
+
+    Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`DiffuGRPOConfig`].
+
+    Example:
+
+    ```python
+    from peft import LoraConfig
+    from trl_diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
+
+    trainer = DiffuGRPOTrainer(
+        model="GSAI-ML/LLaDA-8B-Instruct",
+        reward_funcs=my_reward,
+        args=DiffuGRPOConfig(output_dir="llada-d1", num_iterations=12, num_generations=6),
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
+    )
+    trainer.train()
+    ```
+    """
+
+    config_class = DiffuGRPOConfig
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "d1", "diffu-grpo"]
+    _name = "DiffuGRPO"
+    _paper = {
+        "title": "d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning",
+        "id": "2504.12216",
+        "citation": textwrap.dedent("""\
+            @article{zhao2025d1,
+                title        = {{d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning}},
+                author       = {Siyan Zhao and Devaansh Gupta and Qinqing Zheng and Aditya Grover},
+                year         = 2025,
+                eprint       = {arXiv:2504.12216},
+            }"""),
+    }
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._active_inputs = None
+
+    def _mean_field_logps(self, model, inputs: dict, iteration: int, num_scored: int, return_entropy: bool = False):
+        """Per-token log-probs of the first `num_scored` canvas positions (TRL's cut completions line up with them)."""
+        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        scored = torch.arange(canvas.shape[1], device=canvas.device) < num_scored
+        with self.accelerator.autocast():
+            result = mean_field_logprobs(
+                model,
+                self.adapter,
+                prompt_ids,
+                prompt_mask,
+                canvas,
+                self.args.p_mask_prompt,
+                inputs["mask_seeds"],
+                iteration,
+                region=scored.expand_as(canvas),
+                return_entropy=return_entropy,
+            )
+        if return_entropy:
+            return result[0][:, :num_scored], result[1][:, :num_scored]
+        return result[:, :num_scored]
+
+    @torch.no_grad()
+    def _all_mean_field_logps(self, model, inputs: dict, iteration: int, num_scored: int) -> torch.Tensor:
+        chunk_size = self.args.per_device_train_batch_size
+        chunks = []
+        for start in range(0, inputs["completion_canvas"].shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            chunk = {
+                key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds")
+            }
+            chunks.append(self._mean_field_logps(model, chunk, iteration, num_scored))
+        return torch.cat(chunks)
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        needs_old = mode == "train" and self.is_off_policy
+        needs_ref = self.beta != 0.0
+        num_scored = inputs["completion_ids"].shape[1]
+        old_logps, ref_logps = [], []
+        for iteration in range(self.num_iterations_for(mode)):
+            if needs_old:
+                old_logps.append(self._all_mean_field_logps(self.model, inputs, iteration, num_scored))
+            if needs_ref:
+                with self.reference_model() as reference:
+                    ref_logps.append(self._all_mean_field_logps(reference, inputs, iteration, num_scored))
+        scored = {}
+        if needs_old:
+            scored["old_mean_field_logps"] = torch.stack(old_logps, dim=1)
+        if needs_ref:
+            scored["ref_mean_field_logps"] = torch.stack(ref_logps, dim=1)
+        return scored
+
+    def _compute_loss(self, model, inputs):
+        iteration = inputs["mc_iteration"]
+        inputs = dict(inputs)
+        # TRL's loss reads the old and reference log-probs of this inner iteration under its own keys.
+        for stored, trl_key in (
+            ("old_mean_field_logps", "old_per_token_logps"),
+            ("ref_mean_field_logps", "ref_per_token_logps"),
+        ):
+            if stored in inputs:
+                inputs[trl_key] = inputs[stored][:, iteration]
+        self._active_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._active_inputs = None
+
+    def _completion_logps(
+        self, model, input_ids, attention_mask, logits_to_keep, *args, compute_entropy=False, **kwargs
+    ):
+        inputs = self._active_inputs
+        logps, entropies = self._mean_field_logps(
+            model, inputs, inputs["mc_iteration"], logits_to_keep, return_entropy=True
+        )
+        return logps, entropies if compute_entropy else None, None

@@ -1,0 +1,171 @@
+"""The shared layer of the trainers whose likelihood proxy is a sequence-level Monte Carlo ELBO (VRPO, BGPO, ESPO).
+
+Per completion, n_t Monte Carlo terms `l(j)` estimate the ELBO `B = mean_j l(j)` (see `trl_diffusion.likelihood`).
+Masks are keyed by (row, inner iteration, Monte Carlo index); old and reference terms are computed with the same
+masks at generation time, under no_grad, and carried batch-first as `old_elbo_terms` / `ref_elbo_terms` of shape
+`(batch, num_iterations, num_mc_samples)`. These trainers compute one loss per completion, average it over the
+micro-batch and divide by the gradient accumulation steps; TRL's token-level `loss_type` and
+`importance_sampling_level` do not apply to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+from ..likelihood import elbo_term
+from ..masking import MaskPlan, completion_region, length_normaliser, sample_masks
+from .base import DiffusionGRPOConfig, DiffusionGRPOTrainer
+
+# Overflow guard of exp(): an ELBO difference this large (per normalised token) means the estimate is broken anyway.
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class SequenceELBOConfig(DiffusionGRPOConfig):
+    r"""
+    Configuration shared by the sequence-level ELBO trainers (VRPO, BGPO, ESPO): [`DiffusionGRPOConfig`] plus
+
+        clip_sequence_ratio (`bool`, *optional*, defaults to `False`):
+            Clip the sequence ratio PPO-style, `-min(rho*A, clip(rho, 1-epsilon, 1+epsilon_high)*A)`; off, the
+            objective is the unclipped `-rho*A`.
+
+    `loss_type` and `importance_sampling_level` must keep TRL's defaults: the objective is per sequence.
+    """
+
+    clip_sequence_ratio: bool = field(
+        default=False,
+        metadata={"help": "Clip the sequence ratio PPO-style with epsilon / epsilon_high (off: unclipped rho*A)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("loss_type", "importance_sampling_level"):
+            default = GRPOConfig.__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"`{name}={getattr(self, name)!r}` has no effect on a sequence-level ELBO objective (one loss per "
+                    f"completion, averaged over the micro-batch): leave it at {default!r}."
+                )
+
+
+class SequenceELBOTrainer(DiffusionGRPOTrainer):
+    """[`DiffusionGRPOTrainer`] with Monte Carlo ELBO terms: masks, old and reference terms, normalisers, and the
+    clipped sequence-ratio objective that VRPO and ESPO share."""
+
+    config_class = SequenceELBOConfig
+
+    # ------------------------------------------------------------------ Monte Carlo terms
+
+    def mask_plan(self, inputs: dict, iteration: int) -> MaskPlan:
+        """The Monte Carlo masks of every row of `inputs` for inner iteration `iteration`."""
+        canvas = inputs["completion_canvas"]
+        region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
+        return sample_masks(
+            self.args.mask_sampler,
+            region,
+            inputs["mask_seeds"],
+            iteration,
+            self.args.num_mc_samples,
+            self.args.timestep_eps,
+        )
+
+    def elbo_normaliser(self, inputs: dict) -> torch.Tensor:
+        """The divisor N of ELBO differences of each row (`length_norm`)."""
+        canvas = inputs["completion_canvas"]
+        return length_normaliser(canvas, self.adapter.terminator_ids, self.args.length_norm).to(canvas.device)
+
+    def elbo_term(self, model, inputs: dict, plan: MaskPlan, mc_index: int) -> torch.Tensor:
+        """Monte Carlo term `mc_index` of every row, shape `(batch,)`, with gradients when enabled."""
+        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        with self.accelerator.autocast():
+            return elbo_term(model, self.adapter, prompt_ids, prompt_mask, canvas, plan, mc_index)
+
+    @torch.no_grad()
+    def _all_elbo_terms(self, model, inputs: dict, plan: MaskPlan) -> torch.Tensor:
+        """Every term of every row, `(batch, num_mc_samples)`, in chunks of the training micro-batch size."""
+        chunk_size = self.args.per_device_train_batch_size
+        num_rows = inputs["completion_canvas"].shape[0]
+        chunks = []
+        for start in range(0, num_rows, chunk_size):
+            rows = slice(start, start + chunk_size)
+            chunk = {key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_canvas")}
+            chunk_plan = plan.select(rows)
+            terms = [self.elbo_term(model, chunk, chunk_plan, j) for j in range(plan.num_mc_samples)]
+            chunks.append(torch.stack(terms, dim=1))
+        return torch.cat(chunks).float()
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        needs_old = mode == "train" and self.is_off_policy
+        needs_ref = self.beta != 0.0
+        if not (needs_old or needs_ref):
+            return {}
+        old_terms, ref_terms = [], []
+        for iteration in range(self.num_iterations_for(mode)):
+            plan = self.mask_plan(inputs, iteration)
+            if needs_old:
+                old_terms.append(self._all_elbo_terms(self.model, inputs, plan))
+            if needs_ref:
+                with self.reference_model() as reference:
+                    ref_terms.append(self._all_elbo_terms(reference, inputs, plan))
+        scored = {}
+        if needs_old:
+            scored["old_elbo_terms"] = torch.stack(old_terms, dim=1)
+        if needs_ref:
+            scored["ref_elbo_terms"] = torch.stack(ref_terms, dim=1)
+        return scored
+
+    @staticmethod
+    def iteration_terms(inputs: dict, key: str) -> torch.Tensor | None:
+        """The stored old or reference terms of the current inner iteration, `(batch, num_mc_samples)`, or None."""
+        terms = inputs.get(key)
+        return None if terms is None else terms[:, inputs["mc_iteration"]]
+
+    def loss_scale(self, mode: str) -> float:
+        """Divisor of a micro-batch loss: the gradient accumulation steps in training (GRPO's convention), 1 in eval."""
+        return float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
+
+    # ------------------------------------------------------------------ the sequence-ratio objective
+
+    def sequence_kl(self, elbo: torch.Tensor, ref_elbo: torch.Tensor) -> torch.Tensor:
+        """ESPO's k2 penalty `(B_theta - B_ref)^2 / (2L)` per completion, L the canvas length."""
+        return (elbo - ref_elbo).pow(2) / (2 * self.args.max_completion_length)
+
+    def clipped_objective(self, ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """`min(rho*A, clip(rho, 1-eps, 1+eps_high)*A)` with `clip_sequence_ratio`, else `rho*A`."""
+        objective = ratio * advantages
+        if not self.args.clip_sequence_ratio:
+            return objective
+        clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high) * advantages
+        return torch.minimum(objective, clipped)
+
+    def sequence_ratio_loss(self, inputs: dict, terms: torch.Tensor, mode: str) -> torch.Tensor:
+        """The loss of a micro-batch from the current terms `(batch, num_mc_samples)` (all graphs in one): per
+        completion `-objective(rho, A) + beta * KL`, `rho = exp((B_theta - B_old) / N)`."""
+        advantages = inputs["advantages"]
+        elbo = terms.mean(dim=1)
+        old_terms = self.iteration_terms(inputs, "old_elbo_terms")
+        old_elbo = elbo.detach() if old_terms is None else old_terms.mean(dim=1)
+        log_ratio = (elbo - old_elbo) / self.elbo_normaliser(inputs)
+        ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
+        per_completion = -self.clipped_objective(ratio, advantages)
+        metrics = self._metrics[mode]
+        if self.beta != 0.0:
+            kl = self.sequence_kl(elbo, self.iteration_terms(inputs, "ref_elbo_terms").mean(dim=1))
+            per_completion = per_completion + self.beta * kl
+            metrics["kl"].append(self.accelerator.gather(kl.detach()).mean().item())
+        self.log_ratio_metrics(mode, log_ratio.detach(), advantages)
+        metrics["elbo/mean"].append(self.accelerator.gather(elbo.detach()).mean().item())
+        return per_completion.mean() / self.loss_scale(mode)
+
+    def log_ratio_metrics(self, mode: str, log_ratio: torch.Tensor, advantages: torch.Tensor) -> None:
+        """Mean sequence ratio and the fraction of completions whose PPO clip is active."""
+        ratio = log_ratio.exp()
+        low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+        metrics = self._metrics[mode]
+        gathered = self.accelerator.gather(torch.stack([ratio, (low | high).float()], dim=1))
+        metrics["sequence_ratio/mean"].append(gathered[:, 0].mean().item())
+        metrics["clip_ratio/region_mean"].append(gathered[:, 1].mean().item())
