@@ -10,8 +10,26 @@ from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cu
 from .likelihood import elbo_term, elbo_terms, exact_elbo, exact_elbo_eps, masked_token_logprobs, mean_field_logprobs
 from .masking import MaskPlan, completion_region, length_normaliser, new_mask_seeds, sample_masks
 from .models import DiffusionAdapter, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
+from .trainer import (
+    BGPOConfig,
+    BGPOTrainer,
+    DiffuGRPOConfig,
+    DiffuGRPOTrainer,
+    DiffusionGRPOConfig,
+    DiffusionGRPOTrainer,
+    VRPOConfig,
+    VRPOTrainer,
+)
 
 __all__ = [
+    "BGPOConfig",
+    "BGPOTrainer",
+    "DiffuGRPOConfig",
+    "DiffuGRPOTrainer",
+    "DiffusionGRPOConfig",
+    "DiffusionGRPOTrainer",
+    "VRPOConfig",
+    "VRPOTrainer",
     "DiffusionAdapter",
     "DiffusionGenerationConfig",
     "DiffusionGenerationOutput",
