@@ -317,6 +317,39 @@ def test_defer_terminators_commits_them_last():
     assert output.commit_step[2, 5].item() == 15
 
 
+class FlickeringModel(torch.nn.Module):
+    """Proposes token 4 everywhere when the number of masked positions is even and token 5 when it is odd, so a
+    greedy prediction of the whole completion never repeats from one step to the next."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        logits = torch.zeros(*input_ids.shape, VOCAB)
+        odd = (input_ids == MASK).sum(dim=1) % 2 == 1
+        logits[~odd, :, 4] = 5.0
+        logits[odd, :, 5] = 5.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_stop_patience_commits_a_stable_prediction_and_only_then():
+    config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=16, stop_patience=3)
+    # Constant logits: the same prediction at every step, so the row stops after three steps, committing it.
+    strengths = [8.0 - 0.25 * position for position in range(16)]
+    stable = CraftedLogitsModel({5: crafted_logits([4 + p % 6 for p in range(16)], strengths)})
+    output = generate(stable, torch.tensor([[6, 5]]), generation_config=config, adapter=STUB_ADAPTER)
+    assert output.steps_per_row.tolist() == [3] and output.num_forward_passes == 3
+    assert output.completion_ids[0].tolist() == [4 + p % 6 for p in range(16)]
+    assert output.commit_step[0].tolist() == [0, 1] + [2] * 14
+    # A prediction that changes at every step never triggers the stop: the full schedule runs.
+    flickering = generate(FlickeringModel(), torch.tensor([[6, 5]]), generation_config=config, adapter=STUB_ADAPTER)
+    assert flickering.num_forward_passes == 16
+    assert (flickering.completion_ids != MASK).all()
+
+
+def test_lfpo_inference_preset():
+    config = generation.lfpo_inference_config(gen_length=64, block_length=32)
+    assert (config.schedule, config.threshold, config.stop_patience) == ("cosine", 0.99, 3)
+    assert generation.lfpo_inference_config(gen_length=64, threshold=0.9).threshold == 0.9
+
+
 def test_guidance_is_one_batched_call_with_the_prompt_masked():
     model = early_stop_model()
     config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=4, cfg_scale=1.0)
