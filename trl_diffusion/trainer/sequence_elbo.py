@@ -160,6 +160,14 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
         metrics["elbo/mean"].append(self.accelerator.gather(elbo.detach()).mean().item())
         return per_completion.mean() / self.loss_scale(mode)
 
+    def _compute_loss(self, model, inputs):
+        """Every Monte Carlo term in one graph, then the sequence-ratio loss (VRPO, ESPO); activation memory grows
+        with `num_mc_samples`."""
+        mode = "train" if self.model.training else "eval"
+        plan = self.mask_plan(inputs, inputs["mc_iteration"])
+        terms = torch.stack([self.elbo_term(model, inputs, plan, j) for j in range(plan.num_mc_samples)], dim=1)
+        return self.sequence_ratio_loss(inputs, terms.float(), mode)
+
     def log_ratio_metrics(self, mode: str, log_ratio: torch.Tensor, advantages: torch.Tensor) -> None:
         """Mean sequence ratio and the fraction of completions whose PPO clip is active."""
         ratio = log_ratio.exp()

@@ -1,7 +1,5 @@
 import textwrap
 
-import torch
-
 from .sequence_elbo import SequenceELBOTrainer
 from .vrpo_config import VRPOConfig
 
@@ -12,7 +10,8 @@ class VRPOTrainer(SequenceELBOTrainer):
     With `d = (B_theta - B_old) / N` the ELBO difference of a completion (Monte Carlo masks shared by the current,
     old and reference policies), the loss of a completion is `-A * exp(d)` (PPO-clipped with
     `clip_sequence_ratio`), plus `beta * (B_theta - B_ref)^2 / (2L)`. Every Monte Carlo forward stays in the graph
-    until one backward: this is the honest memory baseline that [`BGPOTrainer`] removes.
+    until one backward: this is the honest memory baseline that [`BGPOTrainer`] removes. The objective is the
+    sequence-ratio objective of [`SequenceELBOTrainer`], which ESPO shares.
 
     Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`VRPOConfig`].
 
@@ -45,9 +44,3 @@ class VRPOTrainer(SequenceELBOTrainer):
                 eprint       = {arXiv:2505.19223},
             }"""),
     }
-
-    def _compute_loss(self, model, inputs):
-        mode = "train" if self.model.training else "eval"
-        plan = self.mask_plan(inputs, inputs["mc_iteration"])
-        terms = torch.stack([self.elbo_term(model, inputs, plan, j) for j in range(plan.num_mc_samples)], dim=1)
-        return self.sequence_ratio_loss(inputs, terms.float(), mode)
