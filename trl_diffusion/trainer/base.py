@@ -163,12 +163,13 @@ class DiffusionGRPOConfig(GRPOConfig):
                     f"`{name}=True` is not supported by trl_diffusion ({reason}); rollouts come from the built-in "
                     f"diffusion sampler. Set `{name}=False`."
                 )
-        sampling_defaults = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
-        for name, default in sampling_defaults.items():
-            if getattr(self, name) not in (default, None if default == 0 else default):
+        # Values that leave sampling untouched (TRL's defaults, or "off").
+        neutral_values = {"top_p": (1.0,), "top_k": (0, None), "min_p": (None, 0.0), "repetition_penalty": (1.0,)}
+        for name, neutral in neutral_values.items():
+            if getattr(self, name) not in neutral:
                 raise ValueError(
                     f"`{name}={getattr(self, name)}` is not supported by the diffusion sampler (it samples with "
-                    f"`temperature` only). Leave `{name}` at {default!r}."
+                    f"`temperature` only). Leave `{name}` at {neutral[0]!r}."
                 )
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError("`max_completion_length` (the canvas length L) must be a positive integer.")
