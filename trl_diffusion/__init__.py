@@ -17,6 +17,8 @@ from .trainer import (
     DiffuGRPOTrainer,
     DiffusionGRPOConfig,
     DiffusionGRPOTrainer,
+    ESPOConfig,
+    ESPOTrainer,
     VRPOConfig,
     VRPOTrainer,
 )
@@ -28,6 +30,8 @@ __all__ = [
     "DiffuGRPOTrainer",
     "DiffusionGRPOConfig",
     "DiffusionGRPOTrainer",
+    "ESPOConfig",
+    "ESPOTrainer",
     "VRPOConfig",
     "VRPOTrainer",
     "DiffusionAdapter",

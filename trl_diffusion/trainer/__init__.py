@@ -5,6 +5,8 @@ from .bgpo_config import BGPOConfig
 from .bgpo_trainer import BGPOTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
+from .espo_config import ESPOConfig
+from .espo_trainer import ESPOTrainer
 from .sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
@@ -16,6 +18,8 @@ __all__ = [
     "DiffuGRPOTrainer",
     "DiffusionGRPOConfig",
     "DiffusionGRPOTrainer",
+    "ESPOConfig",
+    "ESPOTrainer",
     "SequenceELBOConfig",
     "SequenceELBOTrainer",
     "VRPOConfig",
