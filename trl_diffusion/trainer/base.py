@@ -17,10 +17,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from contextlib import contextmanager
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
+from accelerate.utils import DistributedType
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
@@ -273,6 +279,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     config_class = DiffusionGRPOConfig
     _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
     _name = "DiffusionGRPO"
+    # Whether the loss is back-propagated part by part (see `loss_pieces`) instead of in one backward.
+    backward_in_pieces = False
 
     def __init__(
         self,
@@ -397,18 +405,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         generators = [
             torch.Generator(device=device).manual_seed(derive_seed(key, _SAMPLING_STREAM)) for key in row_keys
         ]
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            ) as unwrapped_model,
-            torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
+        with self.rollout_policy() as policy, torch.no_grad():
             rollout = generate(
-                unwrapped_model,
+                policy,
                 input_ids,
                 attention_mask,
                 generation_config=self.diffusion_generation_config,
@@ -419,6 +418,21 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         mask_seeds = torch.tensor([derive_seed(key, _MASK_STREAM) >> 2 for key in row_keys], dtype=torch.long)
         self._pending_rollout = (rollout, mask_seeds.to(device))
         return cut_at_terminator(rollout.completion_ids, self.eos_token_ids), None
+
+    @contextmanager
+    def rollout_policy(self):
+        """The model that generates rollouts: the trained policy, unwrapped for generation inside TRL's context
+        managers (gradient checkpointing off, ZeRO-3 parameters gathered once for the whole denoising loop)."""
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            yield unwrapped_model
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if self._scoring_rollouts:
@@ -448,6 +462,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
         output["completion_canvas"] = rollout.completion_ids
         output["mask_seeds"] = mask_seeds
+        output["commit_step"] = rollout.commit_step
 
         metrics = self._metrics[mode]
         metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
@@ -472,7 +487,89 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         # The inner iteration keys the Monte Carlo masks: each pass over the same rollouts draws fresh ones.
         return {**inputs, "mc_iteration": iteration}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        # TRL writes the model card (algorithm, paper, citation) to `output_dir` only. Put a copy in the checkpoint
+        # too, before the weights are saved, so that PEFT adds its adapter metadata to it instead of writing its own.
+        if self.args.should_save:
+            hub_model_id = self.args.hub_model_id
+            name = (
+                hub_model_id.split("/")[-1]
+                if hub_model_id
+                else os.path.basename(os.path.normpath(self.args.output_dir))
+            )
+            self.create_model_card(model_name=name)
+            card = os.path.join(self.args.output_dir, "README.md")
+            checkpoint = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            if os.path.isfile(card):
+                os.makedirs(checkpoint, exist_ok=True)
+                shutil.copyfile(card, os.path.join(checkpoint, "README.md"))
+        super()._save_checkpoint(model, trial)
+
+    # ------------------------------------------------------------------ backward in pieces
+
+    def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
+        """For objectives that are a sum of parts each depending on its own forward pass (BGPO: Monte Carlo
+        samples; LFPO: blocks of trajectory states): the number of parts and a generator yielding each part's loss,
+        already scaled so that the parts sum to the micro-batch loss. Code after the generator's last `yield` runs
+        once every part is done (metrics). Used by `training_step` when `backward_in_pieces` is set, and by the
+        subclasses' `_compute_loss` (evaluation) as `sum(losses)`."""
+        raise NotImplementedError
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's training step, or, for `backward_in_pieces` objectives, one forward and backward per part of the
+        loss, gradients accumulating across parts so that activation memory is that of one part.
+
+        Only the last part of the micro-batch that ends an accumulation cycle synchronises gradients: under DDP the
+        others run in `no_sync` (forward included), under DeepSpeed they are marked as inside the accumulation
+        boundary (its backward would otherwise step the optimiser after the first part).
+        """
+        if not self.backward_in_pieces:
+            return super().training_step(model, inputs, num_items_in_batch)
+        start = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        is_deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        # GRPO's losses are already divided by the accumulation steps.
+        backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
+        syncs_this_micro_batch = self.accelerator.sync_gradients
+        num_pieces, losses = self.loss_pieces(model, inputs, "train")
+        total_loss = torch.zeros((), device=self.accelerator.device)
+        try:
+            for index in range(num_pieces):
+                is_last = index == num_pieces - 1
+                if is_deepspeed:
+                    self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch and is_last)
+                # The Trainer already runs non-syncing micro-batches in no_sync; nesting it is not safe under FSDP2.
+                skip_sync = syncs_this_micro_batch and not is_last and not is_deepspeed
+                with self.accelerator.no_sync(model) if skip_sync else nullcontext():
+                    with self.compute_loss_context_manager():
+                        loss = next(losses)
+                    self.accelerator.backward(loss, **backward_kwargs)
+                total_loss += loss.detach()
+            next(losses, None)  # lets the generator finish: its metrics
+        finally:
+            if is_deepspeed:
+                self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch)
+
+        # GRPOTrainer.training_step's bookkeeping, which this method replaces: `_step` drives rollout buffering.
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return total_loss
+
     # ------------------------------------------------------------------ shared helpers
+
+    def loss_scale(self, mode: str) -> float:
+        """Divisor of a micro-batch loss: the gradient accumulation steps in training (GRPO's convention), 1 in eval."""
+        return float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
 
     @property
     def is_off_policy(self) -> bool:

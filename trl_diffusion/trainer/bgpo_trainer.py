@@ -1,9 +1,7 @@
 import textwrap
-import time
-from contextlib import nullcontext
+from collections.abc import Iterator
 
 import torch
-from accelerate.utils import DistributedType
 
 from ..masking import MaskPlan
 from .bgpo_config import BGPOConfig
@@ -18,7 +16,8 @@ class BGPOTrainer(SequenceELBOTrainer):
     `sum_j g_j` with `g_j = A * r_j / n_t`, `r_j = 1 + d_j` for `A >= 0` (tangent: `e^x >= 1 + x`) and
     `r_j = exp(d_j)` for `A < 0` (Jensen): each sample gets its own forward and backward inside `training_step`, and
     activation memory stays that of one sample whatever `num_mc_samples`. On-policy (`d_j = 0`) value and gradient
-    equal VRPO's.
+    equal VRPO's. The per-sample backward is the shared layer's `training_step` (see
+    [`DiffusionGRPOTrainer.loss_pieces`]).
 
     Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`BGPOConfig`].
 
@@ -38,6 +37,7 @@ class BGPOTrainer(SequenceELBOTrainer):
     """
 
     config_class = BGPOConfig
+    backward_in_pieces = True
     _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "bgpo"]
     _name = "BGPO"
     _paper = {
@@ -54,7 +54,7 @@ class BGPOTrainer(SequenceELBOTrainer):
 
     def _sample_loss(self, model, inputs: dict, plan: MaskPlan, mc_index: int, mode: str):
         """The loss of Monte Carlo sample `mc_index` over the micro-batch, `-mean_b g_bj / GA` (plus its share of the
-        KL), and its detached `(d_j, g_j, clamp hits)`."""
+        KL), and its detached `(l_theta(j), d_j, g_j, clamp hits, per-sample k2)`."""
         advantages = inputs["advantages"]
         num_samples = plan.num_mc_samples
         term = self.elbo_term(model, inputs, plan, mc_index).float()
@@ -66,15 +66,17 @@ class BGPOTrainer(SequenceELBOTrainer):
         ratio = torch.where(advantages >= 0, 1 + d, torch.exp(d.clamp(max=MAX_LOG_RATIO)))
         bound = self.clipped_objective(ratio, advantages) / num_samples
         per_completion = -bound
+        kl = torch.zeros_like(term)
         if self.beta != 0.0:
             ref_term = self.iteration_terms(inputs, "ref_elbo_terms")[:, mc_index]
             # Per-sample k2 (by Jensen at least the sequence k2): the objective stays a sum over samples.
-            per_completion = per_completion + self.beta * self.sequence_kl(term, ref_term) / num_samples
+            kl = self.sequence_kl(term, ref_term)
+            per_completion = per_completion + self.beta * kl / num_samples
         loss = per_completion.mean() / self.loss_scale(mode)
-        return loss, (term.detach(), d.detach(), bound.detach(), clamp_hits)
+        return loss, (term.detach(), d.detach(), bound.detach(), clamp_hits, kl.detach())
 
     def _log_bound_metrics(self, mode: str, inputs: dict, stats: list) -> None:
-        terms, d, bound, clamp_hits = (torch.stack(values, dim=1) for values in zip(*stats))
+        terms, d, bound, clamp_hits, kl = (torch.stack(values, dim=1) for values in zip(*stats))
         advantages = inputs["advantages"].double()
         # The gap to the unclipped ELBO objective A * exp(mean_j d_j); >= 0 whenever no clamp was hit.
         gap = advantages * torch.exp(d.double().mean(dim=1)) - bound.double().sum(dim=1)
@@ -89,58 +91,27 @@ class BGPOTrainer(SequenceELBOTrainer):
         metrics["bound/gap_min"].append(gathered[:, 1].min().item())
         metrics["bound/d_spread"].append(gathered[:, 2].mean().item())
         metrics["bound/clamp_hits"].append(gathered[:, 3].sum().item())
+        if self.beta != 0.0:
+            # The penalty in the loss: the per-sample k2 averaged over samples, as VRPO logs its sequence k2.
+            metrics["kl"].append(self.accelerator.gather(kl.mean(dim=1)).mean().item())
         self.log_ratio_metrics(mode, d.mean(dim=1), inputs["advantages"])
+
+    def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
+        """One piece per Monte Carlo sample: `training_step` back-propagates each on its own."""
+        plan = self.mask_plan(inputs, inputs["mc_iteration"])
+        return plan.num_mc_samples, self._sample_losses(model, inputs, plan, mode)
+
+    def _sample_losses(self, model, inputs: dict, plan: MaskPlan, mode: str) -> Iterator[torch.Tensor]:
+        stats = []
+        for mc_index in range(plan.num_mc_samples):
+            loss, sample_stats = self._sample_loss(model, inputs, plan, mc_index, mode)
+            stats.append(sample_stats)
+            yield loss
+        self._log_bound_metrics(mode, inputs, stats)
 
     def _compute_loss(self, model, inputs):
         """The whole lower bound in one graph: what evaluation reports. Training goes through `training_step`, which
         back-propagates each sample on its own."""
         mode = "train" if self.model.training else "eval"
-        plan = self.mask_plan(inputs, inputs["mc_iteration"])
-        losses, stats = zip(*(self._sample_loss(model, inputs, plan, j, mode) for j in range(plan.num_mc_samples)))
-        self._log_bound_metrics(mode, inputs, list(stats))
+        _, losses = self.loss_pieces(model, inputs, mode)
         return sum(losses)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """One micro-batch: a forward and a backward per Monte Carlo sample, gradients accumulating across samples.
-
-        Only the last sample of the micro-batch that ends an accumulation cycle synchronises gradients: under DDP the
-        others run in `no_sync`, under DeepSpeed they are marked as inside the accumulation boundary (its backward
-        would otherwise step the optimiser after the first sample).
-        """
-        start = time.perf_counter()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        plan = self.mask_plan(inputs, inputs["mc_iteration"])
-        is_deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
-        # GRPO's loss is already divided by the accumulation steps.
-        backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
-        syncs_this_micro_batch = self.accelerator.sync_gradients
-        total_loss = torch.zeros((), device=self.accelerator.device)
-        stats = []
-        try:
-            for mc_index in range(plan.num_mc_samples):
-                is_last = mc_index == plan.num_mc_samples - 1
-                if is_deepspeed:
-                    self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch and is_last)
-                # The Trainer already runs non-syncing micro-batches in no_sync; nesting it is not safe under FSDP2.
-                skip_sync = syncs_this_micro_batch and not is_last and not is_deepspeed
-                with self.accelerator.no_sync(model) if skip_sync else nullcontext():
-                    with self.compute_loss_context_manager():
-                        loss, sample_stats = self._sample_loss(model, inputs, plan, mc_index, "train")
-                    self.accelerator.backward(loss, **backward_kwargs)
-                total_loss += loss.detach()
-                stats.append(sample_stats)
-        finally:
-            if is_deepspeed:
-                self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch)
-        self._log_bound_metrics("train", inputs, stats)
-
-        # GRPOTrainer.training_step's bookkeeping, which this method replaces: `_step` drives rollout buffering.
-        self._step += 1
-        self._current_train_step_time += time.perf_counter() - start
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            self._metrics["train"]["step_time"].append(self._current_train_step_time)
-            self._current_train_step_time = 0.0
-        return total_loss

@@ -123,10 +123,6 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
         terms = inputs.get(key)
         return None if terms is None else terms[:, inputs["mc_iteration"]]
 
-    def loss_scale(self, mode: str) -> float:
-        """Divisor of a micro-batch loss: the gradient accumulation steps in training (GRPO's convention), 1 in eval."""
-        return float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
-
     # ------------------------------------------------------------------ the sequence-ratio objective
 
     def sequence_kl(self, elbo: torch.Tensor, ref_elbo: torch.Tensor) -> torch.Tensor:
