@@ -19,6 +19,8 @@ from .trainer import (
     DiffusionGRPOTrainer,
     ESPOConfig,
     ESPOTrainer,
+    LFPOConfig,
+    LFPOTrainer,
     VRPOConfig,
     VRPOTrainer,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "DiffusionGRPOTrainer",
     "ESPOConfig",
     "ESPOTrainer",
+    "LFPOConfig",
+    "LFPOTrainer",
     "VRPOConfig",
     "VRPOTrainer",
     "DiffusionAdapter",

@@ -7,6 +7,8 @@ from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
 from .espo_config import ESPOConfig
 from .espo_trainer import ESPOTrainer
+from .lfpo_config import LFPOConfig
+from .lfpo_trainer import LFPOTrainer
 from .sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
@@ -20,6 +22,8 @@ __all__ = [
     "DiffusionGRPOTrainer",
     "ESPOConfig",
     "ESPOTrainer",
+    "LFPOConfig",
+    "LFPOTrainer",
     "SequenceELBOConfig",
     "SequenceELBOTrainer",
     "VRPOConfig",

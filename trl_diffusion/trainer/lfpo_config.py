@@ -1,0 +1,105 @@
+from dataclasses import dataclass, field
+
+from .base import DiffusionGRPOConfig
+
+LFPO_VARIANTS = ("all", "positive", "negative")
+LFPO_STATE_SOURCES = ("trajectory", "forward")
+
+
+@dataclass
+class LFPOConfig(DiffusionGRPOConfig):
+    r"""
+    Configuration of [`LFPOTrainer`] (Likelihood-Free Policy Optimization). Every field of [`DiffusionGRPOConfig`]
+    and TRL's `GRPOConfig` applies (the likelihood-estimator fields except `elbo_region` do not: LFPO estimates no
+    likelihood). TRL's `beta` stays the KL coefficient and must be 0. Defaults follow the paper where it departs from
+    TRL: `weight_decay=0.01`, `warmup_ratio=0.1`. The paper's recipe also uses `num_generations=10`,
+    `learning_rate=1e-6`, `max_grad_norm=1.0` and `max_completion_length=512`; its inference preset is
+    `trl_diffusion.generation.lfpo_inference_config`.
+
+    Parameters:
+
+        contrastive_beta (`float`, *optional*, defaults to `1.0`):
+            Step size b of the contrastive logits `z+ = (1-b) z_old + b z_theta` and `z- = (1+b) z_old - b z_theta`.
+        adv_clip_max (`float`, *optional*, defaults to `5.0`):
+            c: the optimality weight is `r = 0.5 + 0.5 * clip(A / c, -1, 1)` and the loss is scaled by `c / b`, so
+            that on-policy the gradient is `-clip(A, -c, c)` times that of the mean log-probability of the final
+            tokens at the masked positions of a state.
+        lfpo_num_states (`int`, *optional*, defaults to `8`):
+            K: trajectory states per completion, one per stratum of its denoising steps.
+        lfpo_states (`str`, *optional*, defaults to `"trajectory"`):
+            `trajectory`: the sampler's own intermediate canvases (recorded at generation time); `forward`: the final
+            completion re-masked with Bernoulli(t_k), t_k stratified in (0, 1).
+        lfpo_block_size (`int`, *optional*, defaults to `8`):
+            (row, state) pairs per forward and backward; activation memory does not grow with K.
+        lfpo_variant (`str`, *optional*, defaults to `"all"`):
+            `all`, or only the `positive` (z+) or the `negative` (z-) term.
+        ema_alpha (`float`, *optional*):
+            Fixed EMA coefficient a of the old policy, `theta_old <- a theta_old + (1 - a) theta`, applied once per
+            rollout round before the rollout; 0 is a hard copy. `None` uses `min(ema_alpha_rate * step,
+            ema_alpha_max)` with `step` the optimiser steps so far.
+        ema_alpha_rate (`float`, *optional*, defaults to `1e-3`):
+            Growth of the scheduled EMA coefficient per optimiser step.
+        ema_alpha_max (`float`, *optional*, defaults to `0.5`):
+            Cap of the scheduled EMA coefficient.
+    """
+
+    contrastive_beta: float = field(
+        default=1.0,
+        metadata={"help": "Step size b of the contrastive logits z+ = (1-b) z_old + b z, z- = (1+b) z_old - b z."},
+    )
+    adv_clip_max: float = field(
+        default=5.0,
+        metadata={"help": "c: optimality weight 0.5 + 0.5 * clip(A / c, -1, 1); the loss is scaled by c / b."},
+    )
+    lfpo_num_states: int = field(
+        default=8, metadata={"help": "K: trajectory states per completion, one per stratum of its denoising steps."}
+    )
+    lfpo_states: str = field(
+        default="trajectory",
+        metadata={
+            "help": "Training states: the sampler's trajectory, or the final completion re-masked forward.",
+            "choices": list(LFPO_STATE_SOURCES),
+        },
+    )
+    lfpo_block_size: int = field(
+        default=8, metadata={"help": "(row, state) pairs per forward and backward; memory does not grow with K."}
+    )
+    lfpo_variant: str = field(
+        default="all",
+        metadata={
+            "help": "Contrastive terms trained: all, positive (z+) or negative (z-).",
+            "choices": list(LFPO_VARIANTS),
+        },
+    )
+    ema_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "Fixed EMA coefficient of the old policy (0 is a hard copy); None uses min(ema_alpha_rate * step, "
+            "ema_alpha_max)."
+        },
+    )
+    ema_alpha_rate: float = field(default=1e-3, metadata={"help": "Growth of the scheduled EMA coefficient per step."})
+    ema_alpha_max: float = field(default=0.5, metadata={"help": "Cap of the scheduled EMA coefficient."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (LFPO: 0.01)."})
+    warmup_ratio: float = field(default=0.1, metadata={"help": "Fraction of steps of linear warm-up (LFPO: 0.1)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta != 0.0:
+            raise ValueError(
+                f"`beta={self.beta}`: LFPO estimates no likelihood, so TRL's KL penalty does not apply. Leave `beta` at "
+                "0; the contrastive step size is `contrastive_beta`."
+            )
+        if self.contrastive_beta <= 0:
+            raise ValueError(f"`contrastive_beta` must be positive, got {self.contrastive_beta}.")
+        if self.adv_clip_max <= 0:
+            raise ValueError(f"`adv_clip_max` must be positive, got {self.adv_clip_max}.")
+        if self.lfpo_num_states < 1 or self.lfpo_block_size < 1:
+            raise ValueError("`lfpo_num_states` and `lfpo_block_size` must be at least 1.")
+        for name, choices in (("lfpo_states", LFPO_STATE_SOURCES), ("lfpo_variant", LFPO_VARIANTS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
+        if self.ema_alpha is not None and not 0.0 <= self.ema_alpha < 1.0:
+            raise ValueError(f"`ema_alpha` must lie in [0, 1) (0 is a hard copy), got {self.ema_alpha}.")
+        if not 0.0 <= self.ema_alpha_max < 1.0 or self.ema_alpha_rate < 0:
+            raise ValueError("`ema_alpha_max` must lie in [0, 1) and `ema_alpha_rate` be non-negative.")

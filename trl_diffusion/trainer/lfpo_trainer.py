@@ -1,0 +1,255 @@
+import copy
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from accelerate.utils import is_peft_model
+from trl.trainer.utils import use_adapter
+
+from ..masking import completion_region, derive_seed
+from .base import DiffusionGRPOTrainer
+from .lfpo_config import LFPOConfig
+
+OLD_ADAPTER = "old"
+# Stream of the per-row seed that draws a completion's training states (the mask streams use 0..2).
+_STATE_STREAM = 3
+
+
+def lfpo_state_masks(
+    commit_step: torch.LongTensor,
+    region: torch.BoolTensor,
+    seeds: torch.LongTensor,
+    num_states: int,
+    source: str = "trajectory",
+) -> torch.BoolTensor:
+    """The masked positions of each completion's K training states, one per stratum, drawn from the row's seed.
+
+    `trajectory`: for a row whose denoising ran S steps, state k is the canvas that went into step
+    `s_k = floor((k + u_k) * S / K)`, u_k ~ U[0, 1): the positions committed at step s_k or later are masked.
+    `forward`: the final completion re-masked with Bernoulli(t_k), `t_k = (k + u_k) / K`. Positions outside the
+    region are never masked.
+
+    Args:
+        commit_step (`torch.LongTensor` of shape `(batch, L)`):
+            The step at which the sampler committed each completion position.
+        region (`torch.BoolTensor` of shape `(batch, L)`):
+            Positions that may be masked and trained.
+        seeds (`torch.LongTensor` of shape `(batch,)`):
+            Per-row seeds.
+        num_states (`int`):
+            K.
+        source (`str`, defaults to `"trajectory"`):
+            `trajectory` or `forward`.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch, K, L)`.
+    """
+    batch_size, length = commit_step.shape
+    masks = torch.zeros(batch_size, num_states, length, dtype=torch.bool)
+    commit_step_cpu, region_cpu = commit_step.cpu(), region.cpu()
+    strata = torch.arange(num_states, dtype=torch.float64)
+    for row, seed in enumerate(seeds.tolist()):
+        generator = torch.Generator().manual_seed(derive_seed(seed, _STATE_STREAM))
+        offsets = torch.rand(num_states, generator=generator, dtype=torch.float64)
+        if source == "trajectory":
+            num_steps = int(commit_step_cpu[row].max()) + 1
+            state_steps = torch.floor((strata + offsets) * num_steps / num_states).long()
+            masks[row] = commit_step_cpu[row][None, :] >= state_steps[:, None]
+        else:
+            times = (strata + offsets) / num_states
+            masks[row] = torch.rand(num_states, length, generator=generator, dtype=torch.float64) < times[:, None]
+    return (masks & region_cpu[:, None, :]).to(commit_step.device)
+
+
+class LFPOTrainer(DiffusionGRPOTrainer):
+    r"""Likelihood-Free Policy Optimization for masked diffusion language models.
+
+    No likelihood is estimated: on states of the old policy's own denoising trajectories (K per completion), the
+    current logits `z` are pulled towards the final tokens through contrastive logits `z+ = (1-b) z_old + b z` and
+    `z- = (1+b) z_old - b z`, weighted by the optimality `r = 0.5 + 0.5 * clip(A / c, -1, 1)`:
+    `loss = (c / b) * mean_(row, state) mean_(i masked) [r * CE(z+_i, y_i) + (1 - r) * CE(z-_i, y_i)]`.
+    The old policy is an exponential moving average of the trained one (a second PEFT adapter, or a weight copy
+    without PEFT), updated once per rollout round; it generates the rollouts. (row, state) pairs are processed in
+    blocks, each with its own backward, so memory does not grow with K.
+
+    Arguments are those of [`DiffusionGRPOTrainer`], with `args` an [`LFPOConfig`].
+
+    Example:
+
+    ```python
+    from trl_diffusion import LFPOConfig, LFPOTrainer
+
+    trainer = LFPOTrainer(
+        model="GSAI-ML/LLaDA-8B-Instruct",
+        reward_funcs=my_reward,
+        args=LFPOConfig(output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    ```
+    """
+
+    config_class = LFPOConfig
+    backward_in_pieces = True
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "lfpo"]
+    _name = "LFPO"
+    _paper = {
+        "title": "Efficient Token-Level Policy Optimization for Masked Diffusion Models via Velocity Alignment",
+        "id": "2603.01563",
+        "citation": textwrap.dedent("""\
+            @article{wei2026lfpo,
+                title        = {{Efficient Token-Level Policy Optimization for Masked Diffusion Models via Velocity Alignment}},
+                author       = {Chenxing Wei and Jiazhen Kang and Hong Wang and Jianqing Zhang and Hao Jiang and Xiaolong Xu and Ningyuan Sun and Ying He},
+                year         = 2026,
+                eprint       = {arXiv:2603.01563},
+            }"""),
+    }
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.old_model = None
+        if is_peft_model(unwrapped):
+            unwrapped.add_adapter(OLD_ADAPTER, unwrapped.peft_config[unwrapped.active_adapter])
+            self._copy_into_old_policy(alpha=0.0)
+        else:
+            if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+                raise ValueError(
+                    "LFPO with full fine-tuning keeps a copy of the weights as its old policy, which ZeRO-3's "
+                    "partitioned parameters cannot give: train a LoRA adapter (`peft_config`) or use ZeRO-2."
+                )
+            self.old_model = copy.deepcopy(unwrapped).eval().requires_grad_(False)
+        self._rollout_rounds = 0
+
+    # ------------------------------------------------------------------ the old (EMA) policy
+
+    def _adapter_pairs(self) -> Iterator[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(old, current) pairs of adapter parameters."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        current = f".{unwrapped.active_adapter}."
+        parameters = dict(unwrapped.named_parameters())
+        for name, parameter in parameters.items():
+            if current in name:
+                yield parameters[name.replace(current, f".{OLD_ADAPTER}.")], parameter
+
+    @torch.no_grad()
+    def _copy_into_old_policy(self, alpha: float) -> None:
+        """`theta_old <- alpha * theta_old + (1 - alpha) * theta` (alpha 0 copies)."""
+        if self.old_model is None:
+            pairs = self._adapter_pairs()
+        else:
+            pairs = zip(self.old_model.parameters(), self.accelerator.unwrap_model(self.model).parameters())
+        for old, current in pairs:
+            old.mul_(alpha).add_(current.detach().to(old.dtype), alpha=1.0 - alpha)
+            old.requires_grad_(False)
+
+    def ema_alpha(self) -> float:
+        """The EMA coefficient of the coming update: fixed, or `min(rate * optimiser steps, max)`."""
+        if self.args.ema_alpha is not None:
+            return self.args.ema_alpha
+        return min(self.args.ema_alpha_rate * self.state.global_step, self.args.ema_alpha_max)
+
+    @contextmanager
+    def old_policy(self):
+        """The old policy, for generation and for z_old (no gradients flow through it)."""
+        if self.old_model is not None:
+            yield self.old_model
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with use_adapter(unwrapped, OLD_ADAPTER):
+            yield unwrapped
+
+    @contextmanager
+    def rollout_policy(self):
+        if self.old_model is not None:
+            yield self.old_model
+            return
+        with super().rollout_policy() as unwrapped, use_adapter(unwrapped, OLD_ADAPTER):
+            yield unwrapped
+
+    def _generate_and_score_completions(self, inputs):
+        if self.model.training:
+            # Once per rollout round, after the previous round's last optimiser step and before this rollout.
+            if self._rollout_rounds > 0:
+                alpha = self.ema_alpha()
+                self._copy_into_old_policy(alpha)
+                self._metrics["train"]["lfpo/ema_alpha"].append(alpha)
+            self._rollout_rounds += 1
+        return super()._generate_and_score_completions(inputs)
+
+    # ------------------------------------------------------------------ states and loss
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        canvas = inputs["completion_canvas"]
+        region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
+        masks = lfpo_state_masks(
+            inputs["commit_step"], region, inputs["mask_seeds"], self.args.lfpo_num_states, self.args.lfpo_states
+        )
+        return {"lfpo_state_masks": masks}
+
+    def optimality_weight(self, advantages: torch.Tensor) -> torch.Tensor:
+        """`r = 0.5 + 0.5 * clip(A / c, -1, 1)`: 1 for clearly good completions, 0 for clearly bad ones."""
+        return 0.5 + 0.5 * (advantages / self.args.adv_clip_max).clamp(-1.0, 1.0)
+
+    def _state_logits(self, model, inputs: dict, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """float32 logits at the masked positions of the given states, shape `(num_positions, vocab)`."""
+        canvas = inputs["completion_canvas"][rows]
+        states = canvas.masked_fill(masks, self.adapter.mask_token_id)
+        input_ids = torch.cat([inputs["prompt_ids"][rows], states], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"][rows], torch.ones_like(states)], dim=1)
+        with self.accelerator.autocast():
+            logits = self.adapter.logits(model, input_ids, attention_mask, num_logits=canvas.shape[1])
+        return logits[masks].float()
+
+    def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
+        state_masks = inputs["lfpo_state_masks"]
+        num_rows, num_states = state_masks.shape[:2]
+        pairs = torch.cartesian_prod(torch.arange(num_rows), torch.arange(num_states)).to(state_masks.device)
+        blocks = pairs.split(self.args.lfpo_block_size)
+        return len(blocks), self._block_losses(model, inputs, blocks, mode)
+
+    def _block_losses(self, model, inputs: dict, blocks, mode: str) -> Iterator[torch.Tensor]:
+        beta, clip = self.args.contrastive_beta, self.args.adv_clip_max
+        state_masks = inputs["lfpo_state_masks"]
+        num_pairs = state_masks.shape[0] * state_masks.shape[1]
+        weights = self.optimality_weight(inputs["advantages"])
+        scale = (clip / beta) / (num_pairs * self.loss_scale(mode))
+        totals = torch.zeros(3, device=state_masks.device)
+        for block in blocks:
+            rows, states = block[:, 0], block[:, 1]
+            masks = state_masks[rows, states]
+            logits = self._state_logits(model, inputs, rows, masks)
+            with torch.no_grad(), self.old_policy() as old:
+                old_logits = self._state_logits(old, inputs, rows, masks)
+            targets = inputs["completion_canvas"][rows][masks]
+            # Each masked position belongs to one (row, state) pair; its loss is averaged within its pair.
+            position_pair = masks.nonzero()[:, 0]
+            pair_sizes = masks.sum(dim=1).clamp(min=1)
+            position_weight = weights[rows][position_pair]
+            loss = torch.zeros_like(targets, dtype=torch.float32)
+            if self.args.lfpo_variant in ("all", "positive"):
+                positive = (1 - beta) * old_logits + beta * logits
+                loss = loss + position_weight * _cross_entropy(positive, targets)
+            if self.args.lfpo_variant in ("all", "negative"):
+                negative = (1 + beta) * old_logits - beta * logits
+                loss = loss + (1 - position_weight) * _cross_entropy(negative, targets)
+            yield scale * (loss / pair_sizes[position_pair]).sum()
+            sizes = masks.sum(dim=1)
+            totals += torch.stack([sizes.sum(), (sizes == 0).sum(), torch.tensor(len(block))]).float()
+        metrics = self._metrics[mode]
+        gathered = self.accelerator.gather(torch.cat([totals, weights.mean().reshape(1)])[None])
+        metrics["lfpo/masked_per_state"].append((gathered[:, 0].sum() / gathered[:, 2].sum()).item())
+        metrics["lfpo/empty_states"].append((gathered[:, 1].sum() / gathered[:, 2].sum()).item())
+        metrics["lfpo/optimality_mean"].append(gathered[:, 3].mean().item())
+
+    def _compute_loss(self, model, inputs):
+        """The whole loss in one graph: what evaluation reports. Training back-propagates block by block."""
+        mode = "train" if self.model.training else "eval"
+        _, losses = self.loss_pieces(model, inputs, mode)
+        return sum(losses)
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-row `-log softmax(logits)[target]`."""
+    return logits.logsumexp(dim=-1) - logits.gather(-1, targets[:, None]).squeeze(-1)
