@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from trl_diffusion.models import DiffusionAdapter, unwrap_model
+from trl_diffusion.models import DiffusionAdapter, build_tiny_llada, unwrap_model
 
 
 class FixedLogitsModel(torch.nn.Module):
@@ -46,6 +46,13 @@ def test_model_without_mask_token_is_refused(tiny_llama, tiny_tokenizer):
     tokenizer.mask_token = None
     with pytest.raises(ValueError, match="mask_token_id"):
         DiffusionAdapter.from_model(model, tokenizer)
+
+
+def test_mask_id_outside_the_embedding_is_refused(tiny_tokenizer):
+    model = build_tiny_llada(tiny_tokenizer)
+    model.config.mask_token_id = None  # a LLaDA without its own mask id falls back to the published 126336
+    with pytest.raises(ValueError, match="outside the model's 108-token embedding"):
+        DiffusionAdapter.from_model(model)
 
 
 def test_pad_equal_to_mask_is_refused(tiny_llama, tiny_tokenizer):

@@ -113,6 +113,14 @@ class DiffusionAdapter:
                 f"{sorted(KNOWN_MASK_TOKEN_IDS)}. A masked diffusion model needs one: set `model.config.mask_token_id`"
                 " (or pass `mask_token_id=` / the config field `mask_token_id`) to the id of its mask token."
             )
+        embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+        num_embeddings = getattr(embeddings, "num_embeddings", None)
+        if num_embeddings is not None and not 0 <= int(mask_token_id) < num_embeddings:
+            raise ValueError(
+                f"The mask token id {mask_token_id} is outside the model's {num_embeddings}-token embedding (a "
+                f"{model_type!r} model without its own mask token gets its family's published id). Set "
+                "`model.config.mask_token_id` (or pass `mask_token_id=`) to the id of this model's mask token."
+            )
 
         if terminator_ids is None:
             known = KNOWN_TERMINATOR_IDS.get(model_type)
