@@ -1,0 +1,518 @@
+"""End-to-end and bad-input tests of DiffuGRPOTrainer, VRPOTrainer and BGPOTrainer on a tiny native LLaDA (CPU).
+
+Each run trains for one or two optimiser steps on a 2-layer, 64-wide model; the option matrix (prompt format, LoRA,
+reference model, inner iterations, gradient accumulation, gradient checkpointing) is spread over a few cases per
+trainer so that every option meets every trainer without running the cross-product.
+"""
+
+import copy
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+from trl import GRPOConfig, TrlParser
+
+from trl_diffusion.models import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
+from trl_diffusion.trainer import (
+    BGPOConfig,
+    BGPOTrainer,
+    DiffuGRPOConfig,
+    DiffuGRPOTrainer,
+    DiffusionGRPOConfig,
+    SequenceELBOConfig,
+    VRPOConfig,
+    VRPOTrainer,
+)
+
+# ---------------------------------------------------------------------------------------------- shared helpers
+
+TRAINERS = {
+    "d1": (DiffuGRPOConfig, DiffuGRPOTrainer),
+    "vrpo": (VRPOConfig, VRPOTrainer),
+    "bgpo": (BGPOConfig, BGPOTrainer),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """The tiny LLaDA and its tokenizer saved as a checkpoint: trainers load it (and their reference model) by path."""
+    path = tmp_path_factory.mktemp("tiny-llada")
+    tiny_llada.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_args(name: str, output_dir, **overrides):
+    """A tiny, fast config of trainer `name`: one prompt x 4 completions per micro-batch, 8-token canvas in 2 blocks."""
+    config_class = TRAINERS[name][0]
+    kwargs = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        block_length=4,
+        diffusion_steps=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+    if name != "d1":
+        kwargs["num_mc_samples"] = 2
+    return config_class(**{**kwargs, **overrides})
+
+
+def make_dataset(kind: str = "standard", num_prompts: int = 8) -> Dataset:
+    if kind == "standard":
+        return Dataset.from_dict({"prompt": [f"say {i}" for i in range(num_prompts)]})
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {i}"}] for i in range(num_prompts)]})
+
+
+def completion_texts(completions) -> list[str]:
+    return [c if isinstance(c, str) else c[0]["content"] for c in completions]
+
+
+def distinct_chars(completions, **kwargs):
+    """A toy reward with variance on random tiny-model output: the number of distinct characters."""
+    return [float(len(set(text))) for text in completion_texts(completions)]
+
+
+def lora_config() -> LoraConfig:
+    return LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=LLADA_LORA_TARGET_MODULES,
+        exclude_modules=LLADA_LORA_EXCLUDE_MODULES,
+    )
+
+
+def make_trainer(name, model, args, *, prompts="standard", reward_funcs=distinct_chars, peft=False, **kwargs):
+    kwargs.setdefault("train_dataset", make_dataset(prompts))
+    trainer_class = TRAINERS[name][1]
+    return trainer_class(
+        model=model, reward_funcs=reward_funcs, args=args, peft_config=lora_config() if peft else None, **kwargs
+    )
+
+
+def capture_rollouts(trainer) -> list[dict]:
+    """Records every rollout batch the trainer builds (the output of `_generate_and_score_completions`)."""
+    captured = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def recording(inputs):
+        output = generate_and_score(inputs)
+        captured.append(output)
+        return output
+
+    trainer._generate_and_score_completions = recording
+    return captured
+
+
+def train_logs(trainer) -> list[dict]:
+    """The per-step log entries of a finished run (not the final summary)."""
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_all_finite(entries: list[dict]) -> None:
+    for entry in entries:
+        for key, value in entry.items():
+            if isinstance(value, float):
+                assert math.isfinite(value), f"{key} = {value} at step {entry.get('step')}"
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+# Logged at every optimiser step / only at the steps that generate rollouts (mu = 2 reuses them).
+STEP_KEYS = {"loss", "grad_norm"}
+ROLLOUT_KEYS = {
+    "reward",
+    "reward_std",
+    "rewards/distinct_chars/mean",
+    "rewards/distinct_chars/errors",
+    "diffusion/forward_passes",
+    "diffusion/tokens_per_forward",
+    "completions/mean_length",
+}
+TRAINER_KEYS = {
+    "d1": {"entropy", "clip_ratio/region_mean"},
+    "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
+    "bgpo": {
+        "elbo/mean",
+        "bound/gap_mean",
+        "bound/gap_min",
+        "bound/d_spread",
+        "bound/clamp_hits",
+        "sequence_ratio/mean",
+        "clip_ratio/region_mean",
+    },
+}
+
+# Every option meets every trainer; gradient checkpointing is on throughout.
+#   full-ref:  standard prompts, full fine-tuning, beta > 0 with a reference model loaded from the path, mu = 2
+#   lora-ref:  conversational prompts, LoRA, beta > 0 with the adapter-disabled reference, GA = 2
+#   full-mix:  conversational prompts, full fine-tuning, no KL, mu = 2 and GA = 2 (off-policy inside a step)
+E2E_CASES = {
+    "full-ref": dict(prompts="standard", peft=False, beta=0.04, num_iterations=2, gradient_accumulation_steps=1),
+    "lora-ref": dict(prompts="conversational", peft=True, beta=0.04, num_iterations=1, gradient_accumulation_steps=2),
+    "full-mix": dict(prompts="conversational", peft=False, beta=0.0, num_iterations=2, gradient_accumulation_steps=2),
+}
+
+
+@pytest.mark.parametrize("case", list(E2E_CASES))
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_train_end_to_end(name, case, model_dir, tmp_path):
+    options = dict(E2E_CASES[case])
+    prompts, peft = options.pop("prompts"), options.pop("peft")
+    args = make_args(name, tmp_path, gradient_checkpointing=True, **options)
+    trainer = make_trainer(name, model_dir, args, prompts=prompts, peft=peft)
+    if args.beta > 0 and not peft:
+        assert trainer.ref_model is not None  # rebuilt by TRL from the model path
+    else:
+        assert trainer.ref_model is None  # PEFT: the reference is the model with its adapter disabled
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if peft:
+        assert trainable and all("lora_" in n for n in trainable)
+    else:
+        assert trainable == set(initial)
+
+    trainer.train()
+
+    assert trainer.state.global_step == args.max_steps
+    assert trainer.accelerator.unwrap_model(trainer.model).is_activation_checkpointing
+    after = dict(trainer.model.named_parameters())
+    unchanged = [n for n in trainable if torch.equal(initial[n], after[n])]
+    assert not unchanged, f"trainable parameters did not change: {unchanged}"
+    frozen_changed = [n for n in set(initial) - trainable if not torch.equal(initial[n], after[n])]
+    assert not frozen_changed, f"frozen parameters changed: {frozen_changed}"
+    if trainer.ref_model is not None:
+        for n, p in trainer.ref_model.named_parameters():
+            assert torch.equal(p, initial[n]), f"reference parameter {n} changed"
+
+    logs = train_logs(trainer)
+    assert len(logs) == args.max_steps
+    assert_all_finite(logs)
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    expected = STEP_KEYS | TRAINER_KEYS[name] | ({"kl"} if args.beta > 0 else set())
+    assert ROLLOUT_KEYS <= set(logs[0]), f"missing metrics: {ROLLOUT_KEYS - set(logs[0])}"
+    for entry in logs:
+        assert expected <= set(entry), f"missing metrics: {expected - set(entry)}"
+        if args.beta == 0:
+            assert "kl" not in entry
+        if name == "bgpo" and entry["bound/clamp_hits"] == 0:
+            assert entry["bound/gap_min"] >= -1e-5  # the per-sample objective is a lower bound
+    if args.beta > 0:
+        # Before the first update the policy is its reference (same masks): KL 0; after it, KL > 0.
+        assert abs(logs[0]["kl"]) < 1e-5
+        assert logs[-1]["kl"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+class StepCounter(TrainerCallback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+@pytest.mark.parametrize(("name", "peft"), [("d1", True), ("vrpo", False), ("bgpo", False)])
+def test_checkpoint_and_resume(name, peft, model_dir, tmp_path):
+    args = make_args(name, tmp_path / "run", save_strategy="steps", save_steps=1, max_steps=2)
+    uninterrupted = make_trainer(name, model_dir, args, peft=peft)
+    uninterrupted.train()
+
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    weights = "adapter_model.safetensors" if peft else "model.safetensors"
+    assert (checkpoint / weights).is_file()
+    assert (checkpoint / "trainer_state.json").is_file()
+    card = (checkpoint / "README.md").read_text()
+    trainer_class = TRAINERS[name][1]
+    assert trainer_class._name in card
+    assert trainer_class._paper["id"] in card
+
+    counter = StepCounter()
+    resumed_args = make_args(name, tmp_path / "resumed", save_strategy="steps", save_steps=1, max_steps=2)
+    resumed = make_trainer(name, model_dir, resumed_args, peft=peft, callbacks=[counter])
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == args.max_steps
+    assert counter.steps == 1  # it continued from step 1 rather than starting over
+    # From the checkpoint's weights, optimiser state and rollout keys, the resumed step is the uninterrupted one.
+    final = dict(uninterrupted.model.named_parameters())
+    for n, p in resumed.model.named_parameters():
+        assert torch.equal(p, final[n]), n
+    assert math.isfinite(train_logs(resumed)[-1]["loss"])
+    assert (tmp_path / "resumed" / "checkpoint-2" / weights).is_file()
+    assert not (tmp_path / "resumed" / "checkpoint-1").exists()
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+CONFIG_CLASSES = [DiffusionGRPOConfig, SequenceELBOConfig, DiffuGRPOConfig, VRPOConfig, BGPOConfig]
+GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+# Non-default command-line values of numeric fields, chosen to be valid together with the sampler settings
+# `--max_completion_length 16` (block_length 4 -> 4 blocks, diffusion_steps 8, threshold needs remasking "margin").
+CLI_VALUES = {
+    "mask_token_id": 5,
+    "block_length": 4,
+    "diffusion_steps": 8,
+    "remasking": "margin",
+    "cfg_scale": 1.5,
+    "threshold": 0.9,
+    "max_prompt_length": 64,
+    "num_mc_samples": 3,
+    "timestep_eps": 0.01,
+    "p_mask_prompt": 0.3,
+    # GRPOConfig fields whose default DiffuGRPOConfig changes.
+    "loss_type": "grpo",
+    "epsilon": 0.3,
+    "beta": 0.1,
+    "scale_rewards": "group",
+    "temperature": 0.7,
+}
+
+
+def fields_to_parse(config_class):
+    """The fields a config class adds to GRPOConfig, and the GRPOConfig fields whose default it changes."""
+    return [
+        f
+        for f in dataclasses.fields(config_class)
+        if f.name not in GRPO_DEFAULTS or f.default != GRPO_DEFAULTS[f.name]
+    ]
+
+
+def non_default_value(f):
+    if f.name in CLI_VALUES:
+        return CLI_VALUES[f.name]
+    if f.type in (bool, "bool"):
+        return not f.default
+    choices = f.metadata.get("choices")
+    if choices:
+        return next(choice for choice in choices if choice != f.default)
+    raise AssertionError(f"No non-default test value for `{f.name}`: add one to CLI_VALUES.")
+
+
+@pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
+    fields = fields_to_parse(config_class)
+    assert fields
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--max_completion_length", "16"]
+    expected = {}
+    for f in fields:
+        value = non_default_value(f)
+        assert value != f.default, f.name
+        expected[f.name] = value
+        argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
+    assert type(config) is config_class
+    parsed = {name: getattr(config, name) for name in expected}
+    assert parsed == expected
+
+
+def test_paper_defaults(tmp_path):
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    for config_class in (DiffuGRPOConfig, VRPOConfig, BGPOConfig):
+        (parsed,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
+        built = config_class(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+        for config in (parsed, built):
+            if config_class is DiffuGRPOConfig:
+                assert config.loss_type == "bnpo"
+                assert config.epsilon == 0.5
+                assert config.beta == 0.04
+                assert config.scale_rewards == "none"
+                assert config.p_mask_prompt == 0.15
+                assert config.use_bias_correction_kl is False
+            else:
+                assert config.num_mc_samples == (4 if config_class is VRPOConfig else 16)
+                assert config.loss_type == GRPO_DEFAULTS["loss_type"]
+
+
+CONFIG_ERRORS = [
+    ("d1", dict(num_generations=3), "divisible by num_generations"),
+    ("vrpo", dict(num_mc_samples=0), "num_mc_samples"),
+    ("bgpo", dict(num_mc_samples=-1), "num_mc_samples"),
+    ("d1", dict(use_vllm=True), "use_vllm"),
+    ("vrpo", dict(use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
+    ("bgpo", dict(use_liger_kernel=True), "use_liger_kernel"),
+    ("d1", dict(top_p=0.9), "top_p"),
+    ("vrpo", dict(top_k=5), "top_k"),
+    ("vrpo", dict(loss_type="grpo"), "loss_type"),
+    ("bgpo", dict(loss_type="bnpo"), "loss_type"),
+    ("bgpo", dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    ("d1", dict(max_completion_length=10), "multiple of `block_length`"),
+    ("bgpo", dict(max_completion_length=16, block_length=4, diffusion_steps=6), "multiple of the number of blocks"),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "match"), CONFIG_ERRORS)
+def test_invalid_config_is_refused(name, overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        make_args(name, tmp_path, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_reward_of_wrong_length_raises(model_dir, tmp_path):
+    def short_reward(completions, **kwargs):
+        return distinct_chars(completions)[:-1]
+
+    trainer = make_trainer("vrpo", model_dir, make_args("vrpo", tmp_path, max_steps=1), reward_funcs=short_reward)
+    with pytest.raises(ValueError, match="'short_reward' returned 3 rewards for 4 completions"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_unscored_rows_get_zero_advantage(name, model_dir, tmp_path):
+    """NaN and None rewards leave their rows unscored: advantage exactly 0, the group baseline over the others."""
+    unscored_masks = []
+
+    def partial_reward(completions, **kwargs):
+        rewards = [float(sum(map(ord, text)) % 10) for text in completion_texts(completions)]
+        for i in range(len(rewards)):
+            if i % 4 == 1:
+                rewards[i] = float("nan")
+            elif i % 4 == 2:
+                rewards[i] = None
+        unscored_masks.append(torch.tensor([i % 4 in (1, 2) for i in range(len(rewards))]))
+        return rewards
+
+    args = make_args(name, tmp_path)
+    trainer = make_trainer(name, model_dir, args, reward_funcs=partial_reward)
+    rollouts = capture_rollouts(trainer)
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+
+    assert trainer.state.global_step == args.max_steps
+    assert len(rollouts) == len(unscored_masks) == args.max_steps
+    for rollout, unscored in zip(rollouts, unscored_masks):
+        advantages = rollout["advantages"].cpu()
+        assert torch.isfinite(advantages).all()
+        assert (advantages[unscored] == 0).all()
+        assert advantages[~unscored].abs().sum() > 0
+        # The group baseline is the mean of the scored rows only.
+        scored = advantages.masked_fill(unscored, 0).view(-1, args.num_generations)
+        torch.testing.assert_close(scored.sum(dim=1), torch.zeros(scored.shape[0]), atol=1e-5, rtol=0)
+    logs = train_logs(trainer)
+    assert all(math.isfinite(entry[key]) for entry in logs for key in ("loss", "grad_norm"))
+    assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_raising_reward_is_logged_and_counted(model_dir, tmp_path, caplog):
+    calls = []
+
+    def flaky_reward(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) == 1:
+            raise RuntimeError("grader offline")
+        return distinct_chars(completions)
+
+    args = make_args("bgpo", tmp_path)
+    trainer = make_trainer("bgpo", model_dir, args, reward_funcs=flaky_reward)
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
+        trainer.train()
+
+    assert trainer.state.global_step == args.max_steps
+    assert any("flaky_reward" in r.getMessage() and "grader offline" in r.getMessage() for r in caplog.records)
+    logs = train_logs(trainer)
+    assert [entry["rewards/flaky_reward/errors"] for entry in logs] == [1.0, 0.0]
+    assert all(math.isfinite(entry[key]) for entry in logs for key in ("loss", "grad_norm"))
+    assert math.isfinite(logs[1]["reward"])
+
+
+def test_empty_dataset_raises(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer("d1", model_dir, make_args("d1", tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
+
+
+def test_tools_are_refused(model_dir, tmp_path):
+    def get_time() -> str:
+        """Returns the time."""
+        return "noon"
+
+    with pytest.raises(ValueError, match="`tools` is not supported"):
+        make_trainer("vrpo", model_dir, make_args("vrpo", tmp_path), tools=[get_time])
+
+
+def test_model_without_mask_token_is_refused(tiny_llama, tiny_tokenizer, tmp_path):
+    model = copy.deepcopy(tiny_llama)
+    model.config.mask_token_id = None
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.mask_token = None
+    with pytest.raises(ValueError, match="Cannot find the mask token"):
+        make_trainer("bgpo", model, make_args("bgpo", tmp_path), processing_class=tokenizer)
+
+
+def test_prompt_longer_than_the_context(model_dir, tmp_path, tiny_llada):
+    context = tiny_llada.config.max_sequence_length
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x" * context + str(i)}] for i in range(2)]})
+
+    args = make_args("d1", tmp_path, max_prompt_length=None, max_steps=1)
+    trainer = make_trainer("d1", model_dir, args, train_dataset=dataset)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        trainer.train()
+
+    # Truncated from the left, the prompt keeps its end (the chat template's generation prompt) and trains.
+    args = make_args("d1", tmp_path, max_prompt_length=16, max_steps=1)
+    trainer = make_trainer("d1", model_dir, args, train_dataset=dataset)
+    rollouts = capture_rollouts(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    prompt_ids = rollouts[0]["prompt_ids"]
+    assert prompt_ids.shape[1] == 16
+    text = trainer.processing_class.decode(prompt_ids[0])
+    assert text.endswith("<|eot|><|assistant|>") and text.startswith("x")
+    assert math.isfinite(train_logs(trainer)[0]["loss"])
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """The tiny LLaDA bent to put almost all its mass on EOS at every position: a constant feature in the
+    embeddings (dimension 0) carries through the residual stream, and only EOS reads it in the output head."""
+    model = copy.deepcopy(tiny_llada)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 10.0
+        head = model.get_output_embeddings().weight
+        head[:, 0] = 0.0
+        head[tiny_tokenizer.eos_token_id, 0] = 3.0
+    path = tmp_path_factory.mktemp("tiny-llada-eos")
+    model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
+    def alternating(completions, **kwargs):  # variance even though every completion is empty
+        return [float(i % 2) for i in range(len(completions))]
+
+    overrides = dict(early_stop=True, beta=0.04)
+    if name != "d1":
+        overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
+    args = make_args(name, tmp_path, **overrides)
+    trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)
+    rollouts = capture_rollouts(trainer)
+    trainer.train()
+
+    assert trainer.state.global_step == args.max_steps
+    for rollout in rollouts:
+        assert (rollout["completion_mask"].sum(dim=1) == 1).all()  # just the terminator
+        assert (rollout["completion_ids"][:, 0] == trainer.processing_class.eos_token_id).all()
+    logs = train_logs(trainer)
+    assert_all_finite(logs)
+    assert all(entry["completions/mean_length"] == 1.0 for entry in logs)
