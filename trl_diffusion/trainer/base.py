@@ -377,7 +377,10 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     def _rollout_row_keys(self, num_rows: int) -> list[int]:
         """One key per rollout row, from (seed, the rollout's place in training, the row's global index)."""
         if self.model.training:
-            rollout_key = derive_seed(self.args.seed, 0, self.state.global_step, self._step)
+            # The micro-batch's index within its optimiser step, not the raw `_step` counter: `_step` restarts at 0
+            # when training resumes from a checkpoint, and the resumed run must draw the rollouts it would have drawn.
+            micro_batch = self._step % self.args.gradient_accumulation_steps
+            rollout_key = derive_seed(self.args.seed, 0, self.state.global_step, micro_batch)
         else:
             rollout_key = derive_seed(self.args.seed, 1, self.state.global_step, self._eval_rollouts)
         first_row = self.accelerator.process_index * num_rows
