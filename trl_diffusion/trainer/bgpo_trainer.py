@@ -76,10 +76,16 @@ class BGPOTrainer(SequenceELBOTrainer):
         return loss, (term.detach(), d.detach(), bound.detach(), clamp_hits, kl.detach())
 
     def _log_bound_metrics(self, mode: str, inputs: dict, stats: list) -> None:
-        terms, d, bound, clamp_hits, kl = (torch.stack(values, dim=1) for values in zip(*stats))
+        terms, d, _, clamp_hits, kl = (torch.stack(values, dim=1) for values in zip(*stats))
         advantages = inputs["advantages"].double()
-        # The gap to the unclipped ELBO objective A * exp(mean_j d_j); >= 0 whenever no clamp was hit.
-        gap = advantages * torch.exp(d.double().mean(dim=1)) - bound.double().sum(dim=1)
+        # The gap to the unclipped ELBO objective A * exp(mean_j d_j); >= 0 whenever no clamp was hit. In float64
+        # and as A * (exp(mean_j d_j) - mean_j c_j), with g_j = A * c_j / n_t: summing the float32 g_j instead rounds
+        # A / n_t and logs the on-policy gap, exactly 0, as a negative rounding error.
+        d64 = d.double()
+        ratio = torch.where(advantages[:, None] >= 0, 1 + d64, torch.exp(d64.clamp(max=MAX_LOG_RATIO)))
+        sign = torch.where(advantages >= 0, 1.0, -1.0).to(ratio)[:, None]
+        factor = self.clipped_objective(ratio, sign) * sign  # c_j: min(r, clip(r)) for A >= 0, max(...) for A < 0
+        gap = advantages * (torch.exp(d64.mean(dim=1)) - factor.mean(dim=1))
         metrics = self._metrics[mode]
         gathered = self.accelerator.gather(
             torch.stack(
