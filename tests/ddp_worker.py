@@ -1,0 +1,121 @@
+"""One BGPO optimiser step on a tiny LLaDA, for the data-parallel checks of `tests/test_bgpo.py`.
+
+Run under torchrun, each rank saves `rank{r}.pt` (its parameters before and after the step, its rollouts and the log
+history) in `--output-dir`:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py \
+        --model-dir MODEL --output-dir OUT --per-device-train-batch-size 4
+
+The test calls `train_one_step` in its own process for the references over the same global batch (one process with
+twice the per-device batch, or gradient accumulation). Plain SGD with a constant learning rate and no effective
+gradient clipping makes the update `-lr * gradient`, so any difference in the gradient shows in the parameters (a
+first Adam step, about `-lr * sign(gradient)`, would hide a wrong scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# Prompts of different lengths, so that a process pads its prompts differently from the one-process batch.
+PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?", "name a colour", "ok", "spell cat", "add 10 and 25 now"]
+ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds", "advantages")
+
+
+def reward(completions, **kwargs):
+    """Distinct characters of the completion: varied enough on a random tiny model for non-zero advantages."""
+    return [float(len(set(completion[0]["content"]))) for completion in completions]
+
+
+def train_one_step(
+    model_dir: str,
+    output_dir: str,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    num_generations: int = 2,
+    num_mc_samples: int = 3,
+    temperature: float = 0.7,
+    learning_rate: float = 0.1,
+) -> dict:
+    """Trains BGPO for one optimiser step; returns this process's parameters (before, after), rollouts and logs."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_diffusion.trainer import BGPOConfig, BGPOTrainer
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for prompt in PROMPTS]})
+    args = BGPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        num_generations=num_generations,
+        max_completion_length=16,
+        block_length=8,
+        diffusion_steps=8,
+        temperature=temperature,
+        num_mc_samples=num_mc_samples,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=1e9,  # computed and logged, never clips
+        seed=11,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    trainer = BGPOTrainer(
+        model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    rollouts = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def recording(inputs):
+        output = generate_and_score(inputs)
+        rollouts.append({key: output[key].detach().cpu().clone() for key in ROLLOUT_KEYS})
+        return output
+
+    trainer._generate_and_score_completions = recording
+    before = {name: parameter.detach().cpu().clone() for name, parameter in trainer.model.named_parameters()}
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {
+        "rank": trainer.accelerator.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "before": before,
+        "after": {name: parameter.detach().cpu().clone() for name, parameter in model.named_parameters()},
+        "rollouts": rollouts,
+        "log_history": trainer.state.log_history,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--per-device-train-batch-size", type=int, required=True)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parsed = parser.parse_args()
+    result = train_one_step(
+        parsed.model_dir,
+        os.path.join(parsed.output_dir, "trainer"),
+        parsed.per_device_train_batch_size,
+        parsed.gradient_accumulation_steps,
+    )
+    torch.save(result, os.path.join(parsed.output_dir, f"rank{result['rank']}.pt"))
+
+
+if __name__ == "__main__":
+    main()
