@@ -100,7 +100,8 @@ class BGPOTrainer(SequenceELBOTrainer):
         if self.beta != 0.0:
             # The penalty in the loss: the per-sample k2 averaged over samples, as VRPO logs its sequence k2.
             metrics["kl"].append(self.accelerator.gather(kl.mean(dim=1)).mean().item())
-        self.log_ratio_metrics(mode, d.mean(dim=1), inputs["advantages"])
+        # Clipping acts on each sample's ratio r_j, so that is where its binding is measured.
+        self.log_ratio_metrics(mode, d.mean(dim=1), ratio.float(), inputs["advantages"])
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
         """One piece per Monte Carlo sample: `training_step` back-propagates each on its own."""

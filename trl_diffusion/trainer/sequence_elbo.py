@@ -152,7 +152,9 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
             kl = self.sequence_kl(elbo, self.iteration_terms(inputs, "ref_elbo_terms").mean(dim=1))
             per_completion = per_completion + self.beta * kl
             metrics["kl"].append(self.accelerator.gather(kl.detach()).mean().item())
-        self.log_ratio_metrics(mode, log_ratio.detach(), advantages)
+        self.log_ratio_metrics(mode, log_ratio.detach(), ratio.detach(), advantages)
+        clamp_hits = (log_ratio.detach() > MAX_LOG_RATIO).float()
+        metrics["sequence_ratio/clamp_hits"].append(self.accelerator.gather(clamp_hits).sum().item())
         metrics["elbo/mean"].append(self.accelerator.gather(elbo.detach()).mean().item())
         return per_completion.mean() / self.loss_scale(mode)
 
@@ -164,12 +166,16 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
         terms = torch.stack([self.elbo_term(model, inputs, plan, j) for j in range(plan.num_mc_samples)], dim=1)
         return self.sequence_ratio_loss(inputs, terms.float(), mode)
 
-    def log_ratio_metrics(self, mode: str, log_ratio: torch.Tensor, advantages: torch.Tensor) -> None:
-        """Mean sequence ratio and the fraction of completions whose PPO clip is active."""
-        ratio = log_ratio.exp()
+    def log_ratio_metrics(
+        self, mode: str, sequence_log_ratio: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor
+    ) -> None:
+        """The mean sequence ratio `exp(mean_j d_j)` of the completions, and the fraction of the ratios the objective
+        clips (`ratio`: one per completion, or one per Monte Carlo sample for BGPO) where the clip binds."""
+        advantages = advantages.reshape(-1, *([1] * (ratio.dim() - 1)))
         low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
         high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+        binds = (low | high).float().reshape(len(ratio), -1).mean(dim=1)
+        gathered = self.accelerator.gather(torch.stack([sequence_log_ratio.exp(), binds], dim=1))
         metrics = self._metrics[mode]
-        gathered = self.accelerator.gather(torch.stack([ratio, (low | high).float()], dim=1))
         metrics["sequence_ratio/mean"].append(gathered[:, 0].mean().item())
         metrics["clip_ratio/region_mean"].append(gathered[:, 1].mean().item())
