@@ -1,0 +1,123 @@
+"""Configuration of [`DiffusionSFTTrainer`]: TRL's `SFTConfig` plus the masked-diffusion loss and canvas settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import SFTConfig
+
+
+@dataclass
+class DiffusionSFTConfig(SFTConfig):
+    r"""
+    Configuration of [`DiffusionSFTTrainer`]: completion-only supervised fine-tuning of a masked diffusion language
+    model (LLaDA's SFT recipe, also d1's first stage). Every [`~trl.SFTConfig`] field keeps its meaning unless stated
+    below; the fields TRL uses for autoregressive packing and token-level losses are refused (see the end).
+
+    Each completion is laid out on a canvas `[prompt (left-padded) | completion, EOS, EOS, ...]`, exactly what the
+    diffusion sampler produces: the completion (ending with its terminator: the EOS token appended to a plain-text
+    completion, or the chat template's end of turn) is filled with EOS up to the canvas length, and the EOS fill is
+    trained on too, so the model learns to end its answers and pad the rest of the canvas.
+
+    Parameters that control the diffusion loss:
+
+        mask_token_id (`int`, *optional*):
+            Id of the mask token. Default: the model config's `mask_token_id`, then the tokenizer's, then the known
+            value of the model family (LLaDA 126336, Dream 151666). A model with none is refused.
+        timestep_eps (`float`, *optional*, defaults to `1e-3`):
+            Smallest masking ratio: each completion draws `t ~ U(timestep_eps, 1)` (LLaDA's `p = (1 - eps) t + eps`),
+            and its masked tokens are weighted `1 / t`, so `timestep_eps` bounds the weight by `1 / timestep_eps`.
+
+    Parameters that control the canvas:
+
+        completion_length (`int`, *optional*):
+            Length L of the completion canvas: every completion is filled with EOS up to L tokens, the canvas length
+            the sampler will use (`gen_length`). A longer completion raises an error. `None` fills each batch up to
+            its longest completion (LLaDA's SFT: pad the answers of a batch with EOS).
+        max_prompt_length (`int`, *optional*):
+            Prompts longer than this are truncated from the left (the end of a prompt, with the chat template's
+            generation prompt, is what the completion follows). `None` keeps them whole.
+        max_length (`int`, *optional*):
+            Longest canvas (prompt plus completion canvas) allowed. Unlike TRL's SFT, nothing is truncated to it:
+            cutting a completion would drop its terminator. A longer example raises an error at construction (set
+            `max_prompt_length` or filter the dataset). `None` is the model's context length.
+
+    Fields of [`~trl.SFTConfig`] that are refused: `packing` and `padding_free` (documents packed together would
+    attend to each other through bidirectional attention, and the canvas needs one prompt per row),
+    `assistant_only_loss` and `completion_only_loss=False` (the loss is always over the completion of a
+    prompt-completion dataset), `loss_type` other than `"nll"` and `label_smoothing_factor` (token-level
+    autoregressive losses), and `dataset_kwargs={"skip_prepare_dataset": True}` (pre-tokenized `prompt_ids` /
+    `completion_ids` datasets are used as they are anyway).
+    """
+
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
+            "(LLaDA 126336, Dream 151666)."
+        },
+    )
+    timestep_eps: float = field(
+        default=1e-3,
+        metadata={"help": "Smallest masking ratio: t ~ U(timestep_eps, 1), masked tokens weighted 1/t."},
+    )
+    completion_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Length of the completion canvas; completions are filled with EOS up to it and trained on the "
+            "fill. None: the longest completion of each batch."
+        },
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Prompts longer than this are truncated from the left. None keeps them whole."},
+    )
+    completion_only_loss: bool | None = field(
+        default=True,
+        metadata={"help": "Always True: the loss masks and scores the completion only (False is refused)."},
+    )
+    max_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest canvas (prompt plus completion canvas); a longer example raises an error (nothing is "
+            "truncated). None: the model's context length."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < self.timestep_eps < 1.0:
+            raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
+        for name in ("completion_length", "max_prompt_length", "max_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"`{name}` must be a positive integer or None, got {value}.")
+        refused = {
+            "packing": "packed documents would attend to each other through bidirectional attention",
+            "padding_free": "the canvas holds one left-padded prompt and its completion per row",
+            "eval_packing": "packed documents would attend to each other through bidirectional attention",
+            "assistant_only_loss": "the loss is over the completion of a prompt-completion dataset",
+        }
+        for name, reason in refused.items():
+            if getattr(self, name):
+                raise ValueError(f"`{name}=True` is not supported by DiffusionSFTTrainer ({reason}).")
+        if self.completion_only_loss is False:
+            raise ValueError(
+                "`completion_only_loss=False` is not supported: DiffusionSFTTrainer masks and scores the completion "
+                "only (the prompt is the condition, as in LLaDA's SFT). Leave it at True."
+            )
+        # TRL's `None` guesses from the dataset; the prompt must always be told apart from the completion.
+        self.completion_only_loss = True
+        if (self.dataset_kwargs or {}).get("skip_prepare_dataset"):
+            raise ValueError(
+                "`dataset_kwargs={'skip_prepare_dataset': True}` is not supported: a dataset that is already "
+                "tokenized (`prompt_ids` and `completion_ids` columns) is used as it is without it, and preparation "
+                "is where prompts are truncated and lengths checked."
+            )
+        if self.loss_type != "nll":
+            raise ValueError(
+                f"`loss_type={self.loss_type!r}` is not supported: the loss is the masked-diffusion cross-entropy "
+                "weighted by 1/t. Leave `loss_type='nll'`."
+            )
+        if self.label_smoothing_factor > 0:
+            raise ValueError("`label_smoothing_factor` is not supported by the masked-diffusion loss; leave it at 0.")
