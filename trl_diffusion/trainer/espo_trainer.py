@@ -48,12 +48,23 @@ class ESPOTrainer(SequenceELBOTrainer):
             }"""),
     }
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # Gathered over processes: which completions of each (global) group some reward function scored.
+        self._scored_rows = ~torch.isnan(rewards_per_func).all(dim=1)
+        return rewards_per_func
+
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.args.leave_one_out:
             group_size = self.num_generations if self.model.training else self.num_generations_eval
-            # r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean_j r_j), TRL's group-mean advantage rescaled.
-            output["advantages"] = output["advantages"] * (group_size / (group_size - 1))
+            # TRL's baseline is the mean of the G_s scored completions of the group (unscored ones get advantage 0),
+            # and r_i - mean_{j != i} r_j = G_s/(G_s-1) * (r_i - mean_j r_j) over those G_s.
+            scored = self._scored_rows.view(-1, group_size).sum(dim=1).repeat_interleave(group_size).float()
+            factor = torch.where(scored > 1, scored / (scored - 1).clamp(min=1), torch.ones_like(scored))
+            rows = output["advantages"].shape[0]
+            start = self.accelerator.process_index * rows
+            output["advantages"] = output["advantages"] * factor[start : start + rows].to(output["advantages"].device)
         return output
 
     def sequence_kl(self, elbo: torch.Tensor, ref_elbo: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ class LFPOConfig(DiffusionGRPOConfig):
     Configuration of [`LFPOTrainer`] (Likelihood-Free Policy Optimization). Every field of [`DiffusionGRPOConfig`]
     and TRL's `GRPOConfig` applies (the likelihood-estimator fields except `elbo_region` do not: LFPO estimates no
     likelihood). TRL's `beta` stays the KL coefficient and must be 0. Defaults follow the paper where it departs from
-    TRL: `weight_decay=0.01`, `warmup_ratio=0.1`. The paper's recipe also uses `num_generations=10`,
+    TRL: `weight_decay=0.01`, `warmup_steps=0.1` (a value below 1 is a fraction of the optimiser steps: the paper's
+    warm-up ratio 0.1). The paper's recipe also uses `num_generations=10`,
     `learning_rate=1e-6`, `max_grad_norm=1.0` and `max_completion_length=512`; its inference preset is
     `trl_diffusion.generation.lfpo_inference_config`.
 
@@ -41,6 +42,9 @@ class LFPOConfig(DiffusionGRPOConfig):
             Growth of the scheduled EMA coefficient per optimiser step.
         ema_alpha_max (`float`, *optional*, defaults to `0.5`):
             Cap of the scheduled EMA coefficient.
+        warmup_ratio (`float`, *optional*):
+            Alias of a fractional `warmup_steps` (transformers 5 has no `warmup_ratio`: a value below 1 of
+            `warmup_steps` is the ratio); when set, it replaces `warmup_steps`.
     """
 
     contrastive_beta: float = field(
@@ -81,9 +85,20 @@ class LFPOConfig(DiffusionGRPOConfig):
     ema_alpha_rate: float = field(default=1e-3, metadata={"help": "Growth of the scheduled EMA coefficient per step."})
     ema_alpha_max: float = field(default=0.5, metadata={"help": "Cap of the scheduled EMA coefficient."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (LFPO: 0.01)."})
-    warmup_ratio: float = field(default=0.1, metadata={"help": "Fraction of steps of linear warm-up (LFPO: 0.1)."})
+    warmup_steps: float = field(
+        default=0.1,
+        metadata={"help": "Linear warm-up: optimiser steps, or a fraction of them below 1 (LFPO: 0.1 of the run)."},
+    )
+    warmup_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Alias of a fractional warmup_steps (transformers 5 has no warmup_ratio); replaces it."},
+    )
 
     def __post_init__(self):
+        if self.warmup_ratio is not None:
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise ValueError(f"`warmup_ratio` must lie in [0, 1), got {self.warmup_ratio}.")
+            self.warmup_steps = self.warmup_ratio
         super().__post_init__()
         if self.beta != 0.0:
             raise ValueError(

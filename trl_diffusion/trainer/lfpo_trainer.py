@@ -1,17 +1,26 @@
 import copy
+import logging
+import os
 import textwrap
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from accelerate.utils import is_peft_model
+from safetensors.torch import load_model, save_model
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import use_adapter
 
 from ..masking import completion_region, derive_seed
 from .base import DiffusionGRPOTrainer
 from .lfpo_config import LFPOConfig
 
+logger = logging.getLogger(__name__)
+
 OLD_ADAPTER = "old"
+# The weight copy of the old policy in a checkpoint (full fine-tuning; PEFT saves the "old" adapter in `old/`).
+OLD_POLICY_FILE = "old_policy.safetensors"
 # Stream of the per-row seed that draws a completion's training states (the mask streams use 0..2).
 _STATE_STREAM = 3
 
@@ -119,7 +128,7 @@ class LFPOTrainer(DiffusionGRPOTrainer):
                     "LFPO with full fine-tuning keeps a copy of the weights as its old policy, which ZeRO-3's "
                     "partitioned parameters cannot give: train a LoRA adapter (`peft_config`) or use ZeRO-2."
                 )
-            self.old_model = copy.deepcopy(unwrapped).eval().requires_grad_(False)
+            self.old_model = _independent_copy(unwrapped).eval().requires_grad_(False)
         self._rollout_rounds = 0
 
     # ------------------------------------------------------------------ the old (EMA) policy
@@ -168,10 +177,36 @@ class LFPOTrainer(DiffusionGRPOTrainer):
         with super().rollout_policy() as unwrapped, use_adapter(unwrapped, OLD_ADAPTER):
             yield unwrapped
 
+    def _save_checkpoint(self, model, trial):
+        # theta_old is training state: PEFT writes the "old" adapter next to the trained one (`old/`, which the
+        # Trainer reloads on resume); a weight copy is written here, before the Trainer's own files.
+        if self.old_model is not None and self.args.should_save:
+            checkpoint = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            os.makedirs(checkpoint, exist_ok=True)
+            save_model(self.old_model, os.path.join(checkpoint, OLD_POLICY_FILE))
+        super()._save_checkpoint(model, trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called on every resume, whatever the backend (the model weights are loaded by then).
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.old_model is None:
+            return
+        path = os.path.join(checkpoint, OLD_POLICY_FILE)
+        if os.path.isfile(path):
+            load_model(self.old_model, path, device=str(next(self.old_model.parameters()).device))
+        else:
+            logger.warning(
+                "%s has no %s: the old policy restarts as a copy of the policy.", checkpoint, OLD_POLICY_FILE
+            )
+            self._copy_into_old_policy(alpha=0.0)
+
     def _generate_and_score_completions(self, inputs):
         if self.model.training:
-            # Once per rollout round, after the previous round's last optimiser step and before this rollout.
-            if self._rollout_rounds > 0:
+            # Once per rollout round, after the previous round's last optimiser step and before this rollout (also
+            # the first round of a run resumed from a checkpoint: the checkpoint holds theta_old before that update).
+            if self._rollout_rounds > 0 or self.state.global_step > 0:
                 alpha = self.ema_alpha()
                 self._copy_into_old_policy(alpha)
                 self._metrics["train"]["lfpo/ema_alpha"].append(alpha)
@@ -248,6 +283,31 @@ class LFPOTrainer(DiffusionGRPOTrainer):
         mode = "train" if self.model.training else "eval"
         _, losses = self.loss_pieces(model, inputs, mode)
         return sum(losses)
+
+
+def _independent_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` that computes with its own weights only.
+
+    TRL patches `forward` on the instance (its fused LM head; the fp32 LM-head cast) with closures over the original
+    module, and `copy.deepcopy` copies functions by reference: a plain deep copy would keep running the original's
+    forward, i.e. the trained weights. The closures of such instance-level `forward`s are copied too, with the same
+    memo, so that they point at the copy.
+    """
+    memo = {}
+    copied = copy.deepcopy(module, memo)
+    for original, duplicate in zip(module.modules(), copied.modules()):
+        forward = original.__dict__.get("forward")
+        function = getattr(forward, "__func__", forward)
+        if not isinstance(function, types.FunctionType) or not function.__closure__:
+            continue
+        cells = tuple(types.CellType(copy.deepcopy(cell.cell_contents, memo)) for cell in function.__closure__)
+        rebuilt = types.FunctionType(
+            function.__code__, function.__globals__, function.__name__, function.__defaults__, cells
+        )
+        rebuilt.__kwdefaults__ = copy.copy(function.__kwdefaults__)
+        rebuilt.__dict__.update(function.__dict__)
+        duplicate.forward = types.MethodType(rebuilt, duplicate) if forward is not function else rebuilt
+    return copied
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
