@@ -6,10 +6,12 @@ the transformers Auto classes, so their published checkpoints load without `trus
 
 __version__ = "0.1.0.dev0"
 
+from .evaluation import TaskEvaluationCallback, evaluate_task
 from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cut_at_terminator, generate
 from .likelihood import elbo_term, elbo_terms, exact_elbo, exact_elbo_eps, masked_token_logprobs, mean_field_logprobs
 from .masking import MaskPlan, completion_region, length_normaliser, new_mask_seeds, sample_masks
 from .models import DiffusionAdapter, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
+from .tasks import TASKS, Task, get_task
 from .trainer import (
     BGPOConfig,
     BGPOTrainer,
@@ -17,6 +19,8 @@ from .trainer import (
     DiffuGRPOTrainer,
     DiffusionGRPOConfig,
     DiffusionGRPOTrainer,
+    DiffusionSFTConfig,
+    DiffusionSFTTrainer,
     ESPOConfig,
     ESPOTrainer,
     LFPOConfig,
@@ -38,6 +42,10 @@ __all__ = [
     "LFPOTrainer",
     "VRPOConfig",
     "VRPOTrainer",
+    "DiffusionSFTConfig",
+    "DiffusionSFTTrainer",
+    "TaskEvaluationCallback",
+    "evaluate_task",
     "DiffusionAdapter",
     "DiffusionGenerationConfig",
     "DiffusionGenerationOutput",
@@ -58,4 +66,7 @@ __all__ = [
     "mean_field_logprobs",
     "new_mask_seeds",
     "sample_masks",
+    "TASKS",
+    "Task",
+    "get_task",
 ]

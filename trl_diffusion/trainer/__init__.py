@@ -10,6 +10,8 @@ from .espo_trainer import ESPOTrainer
 from .lfpo_config import LFPOConfig
 from .lfpo_trainer import LFPOTrainer
 from .sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
+from .sft_config import DiffusionSFTConfig
+from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
 
@@ -28,4 +30,7 @@ __all__ = [
     "SequenceELBOTrainer",
     "VRPOConfig",
     "VRPOTrainer",
+    "DataCollatorForDiffusionSFT",
+    "DiffusionSFTConfig",
+    "DiffusionSFTTrainer",
 ]

@@ -1,0 +1,391 @@
+"""Tests of the `trl-diffusion` command line, task evaluation and the example recipes, on a tiny native LLaDA (CPU).
+
+Training runs are 1-2 steps on built-in procedural tasks with prompts truncated to a few tokens. One test launches
+the console script, and one launches it through the `multi_gpu` accelerate preset with two CPU processes, and checks
+that the two processes train exactly what one process trains on the same global batch.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import ModelConfig
+
+from trl_diffusion import BGPOConfig, BGPOTrainer, DiffusionGenerationConfig
+from trl_diffusion import cli as cli_module
+from trl_diffusion.cli import TRAINING_COMMANDS, DiffusionScriptArguments, EvalArguments, main, run_recipe
+from trl_diffusion.evaluation import TaskEvaluationCallback, evaluate_task
+from trl_diffusion.models import build_tiny_llada
+from trl_diffusion.tasks import TASKS, Task
+
+ROOT = Path(__file__).resolve().parents[1]
+CONSOLE_SCRIPT = Path(sys.executable).with_name("trl-diffusion")
+
+# A step in a few seconds: 4 completions of 16 tokens, prompts cut to their last 24 tokens.
+TINY_TRAINING = [
+    "--num_train_examples", "8",
+    "--max_prompt_length", "24",
+    "--num_generations", "4",
+    "--max_completion_length", "16",
+    "--block_length", "8",
+    "--diffusion_steps", "8",
+    "--use_cpu",
+    "--bf16", "false",
+    "--report_to", "none",
+    "--save_strategy", "no",
+    "--logging_steps", "1",
+    "--gradient_checkpointing", "false",
+    "--disable_tqdm", "true",
+]  # fmt: skip
+TINY_SAMPLER = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=8)
+
+
+def parity_accuracy(completions, **kwargs):
+    """1.0 when the completion's first character has an even code point: about half of a random model's answers."""
+    return [float(bool(c[0]["content"]) and ord(c[0]["content"][0]) % 2 == 0) for c in completions]
+
+
+def length_reward(completions, offset, **kwargs):
+    return [len(c[0]["content"]) + offset for c, offset in zip(completions, offset)]
+
+
+def load_parity(split="train", num_examples=None, seed=0):
+    size = 10 if num_examples is None else num_examples
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"{split} {seed} {i} " * (1 + i % 3)}] for i in range(size)],
+            "offset": [float(i) for i in range(size)],
+        }
+    )
+
+
+# A stand-in task with a verifier a random model passes about half of the time (the built-in tasks' would give 0).
+PARITY = Task(
+    name="parity",
+    description="Test task: does the answer start with an even code point?",
+    loader=load_parity,
+    reward_funcs=(length_reward,),
+    accuracy_func=parity_accuracy,
+    metric_class=TASKS["countdown"].metric_class,
+    reference_columns=("offset",),
+    max_completion_length=16,
+    block_length=8,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer):
+    directory = tmp_path_factory.mktemp("tiny-llada")
+    build_tiny_llada(tiny_tokenizer, seed=0).save_pretrained(directory)
+    tiny_tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture
+def parity_task(monkeypatch):
+    monkeypatch.setitem(TASKS, "parity", PARITY)
+    return PARITY
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    name = "adapter_model.safetensors" if (Path(directory) / "adapter_config.json").exists() else "model.safetensors"
+    return load_file(str(Path(directory) / name))
+
+
+# A reward a random model's completions vary in (a built-in task's reward is 0 for all of them: no gradient).
+DISTINCT_REWARD = """
+def distinct_characters(completions, **kwargs):
+    return [float(len(set(completion[0]["content"]))) for completion in completions]
+"""
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    """`--reward_funcs my_rewards.distinct_characters`, importable from the working directory (as in TRL)."""
+    (tmp_path / "my_rewards.py").write_text(DISTINCT_REWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    return "my_rewards.distinct_characters"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+# ---------------------------------------------------------------------------------------------------- --help
+
+
+@pytest.mark.parametrize("command", list(TRAINING_COMMANDS))
+def test_help_lists_every_field(command, capsys):
+    config_class, _ = cli_module._trainer_classes(command)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for dataclass in (DiffusionScriptArguments, config_class, ModelConfig):
+        missing = [f.name for f in dataclasses.fields(dataclass) if f.init and f"--{f.name} " not in help_text]
+        assert not missing, f"`trl-diffusion {command} --help` misses {dataclass.__name__} fields {missing}"
+
+
+def test_eval_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(f"--{f.name} " in help_text for f in dataclasses.fields(EvalArguments))
+
+
+def test_top_level_help_lists_subcommands(capsys):
+    assert main([]) == 0
+    help_text = capsys.readouterr().out
+    assert all(name in help_text for name in [*TRAINING_COMMANDS, "eval", "demo"])
+    with pytest.raises(SystemExit) as exit_info:  # `demo` hands its arguments to trl_diffusion.demo.main
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
+
+
+def test_bad_arguments_fail_clearly(model_dir, tmp_path):
+    with pytest.raises(SystemExit):  # an accelerate flag without --accelerate_config
+        main(["bgpo", "--model_name_or_path", model_dir, "--dataset_name", "countdown", "--num_processes", "2"])
+    with pytest.raises(ValueError, match="neither a file nor a preset"):
+        cli_module.resolve_accelerate_config("zero7")
+    with pytest.raises(ValueError, match="--reward_funcs"):  # a dataset that is not a task needs reward functions
+        Dataset.from_dict({"prompt": ["hi"]}).save_to_disk(tmp_path / "data")
+        main(["bgpo", "--model_name_or_path", model_dir, "--dataset_name", str(tmp_path / "data"), *TINY_TRAINING])
+
+
+def test_presets_ship_in_the_package():
+    assert cli_module.accelerate_presets() == ["fsdp2", "multi_gpu", "zero2", "zero3"]
+    assert Path(cli_module.resolve_accelerate_config("zero3")).is_file()
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def test_bgpo_lora_in_process_then_eval_the_adapter(model_dir, tmp_path, reward_module):
+    """`trl-diffusion bgpo` on a built-in task's prompts with LoRA (LLaDA's target modules by default) and a reward
+    function named by import path, then `trl-diffusion eval` on the saved adapter directory."""
+    output_dir = tmp_path / "bgpo"
+    argv = ["bgpo", "--model_name_or_path", model_dir, "--dataset_name", "countdown", "--output_dir", str(output_dir)]
+    argv += [*TINY_TRAINING, "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_mc_samples", "2"]
+    argv += ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+    assert main([*argv, "--reward_funcs", reward_module]) == 0
+    adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
+    assert set(adapter_config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "attn_out",
+        "ff_proj",
+        "up_proj",
+        "ff_out",
+    }
+    assert adapter_config["exclude_modules"] == ["transformer.ff_out"]
+    assert any(tensor.abs().sum() > 0 for name, tensor in weights(output_dir).items() if "lora_B" in name)
+
+    results_path = tmp_path / "results.json"
+    argv = ["eval", "--model", str(output_dir), "--task", "countdown", "--num_examples", "3", "--batch_size", "2"]
+    assert main([*argv, "--gen_length", "16", "--block_length", "8", "--output", str(results_path)]) == 0
+    results = json.loads(results_path.read_text())
+    assert results["num_examples"] == 3 and results["accuracy"] == 0.0  # a random model solves no Countdown
+    assert [record["index"] for record in results["records"]] == [0, 1, 2]
+
+
+def test_sft_in_process(model_dir, tmp_path):
+    """`trl-diffusion sft` on a local prompt / completion dataset."""
+    data = Dataset.from_dict({"prompt": ["ab=", "cd=", "ef=", "gh="], "completion": ["ba", "dc", "fe", "hg"]})
+    data.save_to_disk(tmp_path / "data")
+    argv = ["sft", "--model_name_or_path", model_dir, "--dataset_name", str(tmp_path / "data")]
+    argv += ["--output_dir", str(tmp_path / "sft"), "--max_steps", "1", "--per_device_train_batch_size", "4"]
+    argv += ["--use_cpu", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    assert main(argv) == 0
+    assert (tmp_path / "sft" / "model.safetensors").is_file()
+
+
+def test_console_script_and_multi_gpu_preset_with_two_cpu_processes(model_dir, tmp_path, reward_module):
+    """The `trl-diffusion` entry point with one process and 4 rows, and `--accelerate_config multi_gpu` with two
+    processes of 2 rows each: the same global batch, so the same rollouts and (up to float reduction order) the same
+    update. Two rows per process are only valid for 4 generations per prompt with two processes, so this also shows
+    that the preset really ran two. The evaluation callback runs in both, split across the two processes."""
+    assert CONSOLE_SCRIPT.is_file(), "reinstall the package (`pip install -e .`) to get the console script"
+    common = ["bgpo", "--model_name_or_path", model_dir, "--dataset_name", "sudoku", *TINY_TRAINING]
+    common += ["--max_steps", "1", "--num_mc_samples", "2", "--learning_rate", "1e-2", "--optim", "sgd"]
+    common += ["--reward_funcs", reward_module, "--save_strategy", "steps", "--save_steps", "1"]
+    common += ["--eval_every_steps", "1", "--eval_num_examples", "3", "--eval_max_completion_length", "16"]
+    common += ["--eval_block_length", "8", "--eval_diffusion_steps", "8", "--eval_generation_batch_size", "1"]
+    one = [*common, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "4"]
+    two = [*common, "--output_dir", str(tmp_path / "two"), "--per_device_train_batch_size", "2"]
+    two += ["--accelerate_config", "multi_gpu", "--num_processes", "2", "--mixed_precision", "no"]
+    two += ["--main_process_port", str(free_port())]
+    for argv in (one, two):
+        process = subprocess.run(
+            [str(CONSOLE_SCRIPT), *argv],
+            env=subprocess_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert process.returncode == 0, f"{argv}\n{process.stdout[-2000:]}\n{process.stderr[-4000:]}"
+    initial = load_file(str(Path(model_dir) / "model.safetensors"))
+    one_process, two_processes = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert any(not torch.equal(initial[name], one_process[name]) for name in initial)
+    for name, tensor in one_process.items():
+        torch.testing.assert_close(two_processes[name], tensor, rtol=1e-5, atol=1e-6)
+    # The evaluation callback split 3 examples over two processes (2 + 2, one padded) and gathered them.
+    evaluations = []
+    for run in ("one", "two"):
+        history = json.loads((tmp_path / run / "checkpoint-1" / "trainer_state.json").read_text())["log_history"]
+        evaluations.append([entry for entry in history if "eval/sudoku/accuracy" in entry])
+    assert evaluations[0] == evaluations[1]
+    assert [entry["eval/sudoku/num_examples"] for entry in evaluations[1]] == [3]
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+def test_eval_command_matches_evaluate_task(model_dir, tmp_path, parity_task):
+    results_path = tmp_path / "results.json"
+    argv = ["eval", "--model", model_dir, "--task", "parity", "--num_examples", "7", "--batch_size", "3"]
+    assert main([*argv, "--output", str(results_path)]) == 0
+    from_cli = json.loads(results_path.read_text())
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    direct = evaluate_task(model, tokenizer, parity_task, num_examples=7, batch_size=5, progress_bar=False)
+    assert 0.0 < direct["accuracy"] < 1.0  # the check below compares something
+    assert from_cli["accuracy"] == direct["accuracy"]
+    assert from_cli["mean_reward"] == pytest.approx(direct["mean_reward"])
+    assert [r["completion"] for r in from_cli["records"]] == [r["completion"] for r in direct["records"]]
+    assert from_cli["generation_config"]["gen_length"] == 16  # the task's suggestion
+    # The reward adds the `offset` column to the completion length: columns reach the reward functions.
+    assert [r["reward"] for r in direct["records"]] == [len(r["completion"]) + r["index"] for r in direct["records"]]
+    assert direct["accuracy"] == sum(r["correct"] for r in direct["records"]) / 7
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sharded_evaluation_equals_one_process(model_dir, parity_task, monkeypatch, temperature):
+    """Each process evaluates its slice (the last one padded); the union of the slices is the one-process result,
+    at any batch size, also when sampling (per-row generators)."""
+    monkeypatch.setattr("trl_diffusion.evaluation.gather_object", lambda records: records)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = dataclasses.replace(TINY_SAMPLER, temperature=temperature)
+    evaluate = partial(evaluate_task, model, tokenizer, parity_task, generation_config=config, progress_bar=False)
+    whole = evaluate(num_examples=7, batch_size=7)
+    shards = [
+        evaluate(num_examples=7, batch_size=2, accelerator=SimpleNamespace(process_index=i, num_processes=2))
+        for i in range(2)
+    ]
+    assert [r["index"] for r in shards[0]["records"]] == [0, 1, 2, 3]
+    assert [r["index"] for r in shards[1]["records"]] == [4, 5, 6]  # padding (a repeated 6) dropped
+    assert shards[0]["records"] + shards[1]["records"] == whole["records"]
+
+
+def test_callback_logs_accuracy_into_log_history(model_dir, tiny_tokenizer, parity_task, tmp_path):
+    args = BGPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        block_length=8,
+        diffusion_steps=8,
+        num_mc_samples=2,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    trainer = BGPOTrainer(
+        model=model_dir,
+        reward_funcs=list(parity_task.reward_funcs),
+        args=args,
+        train_dataset=parity_task.load(num_examples=8),
+        processing_class=tiny_tokenizer,
+    )
+    callback = TaskEvaluationCallback(trainer, "parity", eval_every_steps=1, num_examples=6, batch_size=4)
+    trainer.add_callback(callback)
+    trainer.train()
+
+    history = trainer.state.log_history
+    evaluations = [entry for entry in history if "eval/parity/accuracy" in entry]
+    assert [entry["step"] for entry in evaluations] == [1, 2]
+    assert all(entry["eval/parity/num_examples"] == 6 for entry in evaluations)
+    assert [entry["step"] for entry in history if "reward" in entry] == [1, 2]  # the steps' own logs survive
+    assert trainer.model.training  # train mode restored
+    final = evaluate_task(trainer.model, tiny_tokenizer, parity_task, num_examples=6, progress_bar=False)
+    assert evaluations[-1]["eval/parity/accuracy"] == final["accuracy"]
+    assert evaluations[-1]["eval/parity/reward"] == pytest.approx(final["mean_reward"])
+
+
+# ---------------------------------------------------------------------------------------------------- examples
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLES = {
+    "bgpo_countdown": "bgpo",
+    "diffu_grpo_gsm8k": "diffu_grpo",
+    "vrpo_gsm8k": "vrpo",
+    "espo_sudoku": "espo",
+    "lfpo_gsm8k": "lfpo",
+}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_example_parses_help_with_the_recipe_as_defaults(name, capsys):
+    module = load_example(name)
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(EXAMPLES[name], module.RECIPE, ["--help"], prog=name, description=module.__doc__)
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "accelerate launch --config_file" in help_text
+    assert f"(default: {module.RECIPE['learning_rate']})" in help_text
+
+
+def test_bgpo_example_runs_one_step_with_its_evaluation(model_dir, tmp_path):
+    """The BGPO recipe on a tiny model: full fine-tuning, and the recipe's evaluation callback (made small)."""
+    module = load_example("bgpo_countdown")
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_mc_samples", "2"]
+    argv += ["--gradient_accumulation_steps", "1", "--eval_num_examples", "2", "--eval_max_completion_length", "16"]
+    argv += ["--eval_block_length", "8", "--eval_diffusion_steps", "8"]
+    assert run_recipe("bgpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_espo_example_runs_one_step(model_dir, tmp_path):
+    """The ESPO recipe (LoRA, mu = 8, coupled ELBO, KL) on a tiny model."""
+    module = load_example("espo_sudoku")
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_mc_samples", "1"]
+    argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
+    assert run_recipe("espo", module.RECIPE, argv) == 0
+    assert (tmp_path / "adapter_model.safetensors").is_file()

@@ -1,0 +1,386 @@
+"""Task accuracy of a masked diffusion model: decode a task's held-out prompts (greedy by default) and score the
+completions with the task's verifier.
+
+[`evaluate_task`] runs it once, on one process or split across the processes of an `accelerate` launch.
+[`TaskEvaluationCallback`] runs it during training every `eval_every_steps` optimiser steps and at the end, and logs
+`eval/<task>/accuracy`: the number the papers select checkpoints by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from dataclasses import replace
+
+import torch
+import transformers
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
+from .masking import derive_seed
+from .models.adapter import DiffusionAdapter
+
+
+def resolve_task(task):
+    """A task object from a task or the name of a built-in one (`trl_diffusion.tasks.get_task`)."""
+    if isinstance(task, str):
+        from .tasks import get_task
+
+        return get_task(task)
+    return task
+
+
+def task_name(task) -> str:
+    """The name under which a task's metrics are logged: its `name` attribute, else its class name."""
+    return getattr(task, "name", None) or type(task).__name__.lower()
+
+
+def task_generation_config(task, **overrides) -> DiffusionGenerationConfig:
+    """The sampler a task suggests (`task.max_completion_length`, `task.block_length`), greedy, with the default
+    number of steps (`gen_length // 2`). `overrides` are any other [`DiffusionGenerationConfig`] fields."""
+    settings = {"gen_length": task.max_completion_length, "block_length": task.block_length, **overrides}
+    return DiffusionGenerationConfig(**settings)
+
+
+def _no_op(*args, **kwargs):
+    return None
+
+
+def _call_reward_function(func, prompts, completions, completion_ids, columns, trainer_state):
+    """Calls a TRL reward function with the arguments `GRPOTrainer` gives it; `None` rewards become NaN."""
+    rewards = func(
+        prompts=prompts,
+        completions=completions,
+        completion_ids=completion_ids,
+        trainer_state=trainer_state,
+        log_extra=_no_op,
+        log_metric=_no_op,
+        **columns,
+    )
+    if inspect.isawaitable(rewards):
+        rewards = asyncio.run(rewards)
+    rewards = list(rewards)
+    if len(rewards) != len(prompts):
+        name = getattr(func, "__name__", repr(func))
+        raise ValueError(f"{name} returned {len(rewards)} values for {len(prompts)} completions.")
+    return [math.nan if reward is None else float(reward) for reward in rewards]
+
+
+def _shard(num_examples: int, process_index: int, num_processes: int) -> list[int]:
+    """This process's examples: a contiguous slice, padded with the last example so that every process runs the same
+    number of batches (a sharded model's forward passes are collective). Padding is dropped after gathering."""
+    per_process = math.ceil(num_examples / num_processes)
+    start = process_index * per_process
+    indices = list(range(start, min(start + per_process, num_examples)))
+    return indices + [num_examples - 1] * (per_process - len(indices))
+
+
+def _tokenize_prompts(tokenizer, prompts, chat_template_kwargs) -> list[list[int]]:
+    if isinstance(prompts[0], str):
+        return [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    tokenized = tokenizer.apply_chat_template(
+        conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
+    )
+    return [list(ids) for ids in tokenized["input_ids"]]
+
+
+def _left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.LongTensor, torch.LongTensor]:
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+@torch.no_grad()
+def evaluate_task(
+    model,
+    tokenizer,
+    task,
+    *,
+    split: str = "test",
+    num_examples: int | None = 200,
+    generation_config: DiffusionGenerationConfig | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress_bar: bool = True,
+    dataset=None,
+    adapter: DiffusionAdapter | None = None,
+    accelerator=None,
+    chat_template_kwargs: dict | None = None,
+    trainer_state=None,
+) -> dict:
+    """Decodes a task's prompts with [`generate`] and scores the completions with the task's verifier and rewards.
+
+    Prompts are rendered with the tokenizer's chat template (generation prompt added) and left-padded; completions
+    are cut after their first terminator and decoded without special tokens, exactly as the trainers hand them to
+    reward functions. Accuracy is the mean of `task.accuracy_func` (1.0 or 0.0 per completion); the reward is the
+    unweighted sum of `task.reward_funcs`, averaged over the examples (a function's `None` counts as missing).
+
+    With `accelerator` and several processes, the examples are split across the processes (contiguous slices of
+    equal size, so that each runs the same number of batches) and the records gathered: every process returns the
+    full result. Each row samples from its own generator seeded by `(seed, example index)`, so results do not depend
+    on the batch size or the number of processes.
+
+    Args:
+        model (`torch.nn.Module`):
+            The diffusion model (possibly PEFT-wrapped). It is put in eval mode for the evaluation and its previous
+            mode restored afterwards.
+        tokenizer (`PreTrainedTokenizerBase`):
+            Its tokenizer, with a chat template for conversational prompts.
+        task (`Task` or `str`):
+            A task (`trl_diffusion.tasks`) or the name of a built-in one.
+        split (`str`, *optional*, defaults to `"test"`):
+            Split passed to `task.load`.
+        num_examples (`int`, *optional*, defaults to `200`):
+            Number of examples (the first ones of `task.load(..., seed=seed)`); `None` for the whole split.
+        generation_config ([`DiffusionGenerationConfig`], *optional*):
+            The sampler. Default: the task's suggestion ([`task_generation_config`]), greedy.
+        batch_size (`int`, *optional*, defaults to `16`):
+            Prompts per [`generate`] call (per process).
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the example selection and of sampling when the temperature is positive.
+        progress_bar (`bool`, *optional*, defaults to `True`):
+            Show a progress bar over the batches (on the main process).
+        dataset (`datasets.Dataset`, *optional*):
+            Evaluate these rows (a `"prompt"` column plus the columns the task's functions read) instead of loading
+            `split`; `num_examples` still caps them.
+        adapter ([`DiffusionAdapter`], *optional*):
+            How to drive the model. Default: resolved from the model and tokenizer, with the tokenizer's EOS added
+            to the terminators (as the trainers do).
+        accelerator (`accelerate.Accelerator` or `accelerate.PartialState`, *optional*):
+            Splits the examples across its processes.
+        chat_template_kwargs (`dict`, *optional*):
+            Extra arguments of `apply_chat_template` (the trainers' `chat_template_kwargs`).
+        trainer_state (`transformers.TrainerState`, *optional*):
+            Passed to the reward functions as `trainer_state`, as during training.
+
+    Returns:
+        `dict` with `task`, `split`, `num_examples`, `accuracy`, `mean_reward`, `rewards` (mean of each reward
+        function by name), `generation_config` (its fields, `steps` resolved) and `records`: one dict per example
+        with `index`, `prompt`, `completion`, `correct` (bool), `reward` (summed) and `rewards` (by function).
+    """
+    task = resolve_task(task)
+    if dataset is None:
+        dataset = task.load(split=split, num_examples=num_examples, seed=seed)
+    elif num_examples is not None:
+        dataset = dataset.select(range(min(num_examples, len(dataset))))
+    if len(dataset) == 0:
+        raise ValueError(f"No examples to evaluate in split {split!r} of task {task_name(task)!r}.")
+    if generation_config is None:
+        generation_config = task_generation_config(task)
+    if adapter is None:
+        adapter = DiffusionAdapter.from_model(model, tokenizer)
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        adapter = replace(adapter, terminator_ids=tuple(dict.fromkeys([*adapter.terminator_ids, *eos])))
+    process_index = accelerator.process_index if accelerator is not None else 0
+    num_processes = accelerator.num_processes if accelerator is not None else 1
+    pad_token_id = adapter.pad_token_id if adapter.pad_token_id is not None else tokenizer.pad_token_id
+    device = next(model.parameters()).device
+
+    indices = _shard(len(dataset), process_index, num_processes)
+    rows = dataset.select(indices)
+    prompts = list(rows["prompt"])
+    columns = {
+        name: list(rows[name]) for name in rows.column_names if name not in ("prompt", "completion", "completion_ids")
+    }
+
+    was_training = model.training
+    model.eval()
+    completion_ids, completions_text = [], []
+    batches = range(0, len(indices), batch_size)
+    show = progress_bar and process_index == 0
+    try:
+        for start in tqdm(batches, desc=f"Evaluating {task_name(task)}", unit="batch", disable=not show):
+            batch_prompts = prompts[start : start + batch_size]
+            input_ids, attention_mask = _left_pad(
+                _tokenize_prompts(tokenizer, batch_prompts, chat_template_kwargs or {}), pad_token_id, device
+            )
+            generators = [
+                torch.Generator(device=device).manual_seed(derive_seed(seed, index))
+                for index in indices[start : start + batch_size]
+            ]
+            output = generate(
+                model,
+                input_ids,
+                attention_mask,
+                generation_config=generation_config,
+                adapter=adapter,
+                generator=generators,
+            )
+            cut = cut_at_terminator(output.completion_ids, adapter.terminator_ids)
+            completion_ids.extend(cut)
+            completions_text.extend(tokenizer.batch_decode(cut, skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+
+    # TRL's convention: conversational prompts get conversational completions.
+    if isinstance(prompts[0], str):
+        completions = completions_text
+    else:
+        completions = [[{"role": "assistant", "content": text}] for text in completions_text]
+    score_args = (prompts, completions, completion_ids, columns, trainer_state)
+    correct = _call_reward_function(task.accuracy_func, *score_args)
+    rewards_by_name = {}
+    for func in task.reward_funcs:
+        name = getattr(func, "__name__", type(func).__name__)
+        rewards_by_name[name] = _call_reward_function(func, *score_args)
+
+    records = []
+    for row, index in enumerate(indices):
+        rewards = {name: values[row] for name, values in rewards_by_name.items()}
+        present = [value for value in rewards.values() if not math.isnan(value)]
+        records.append(
+            {
+                "index": index,
+                "prompt": prompts[row],
+                "completion": completions_text[row],
+                "correct": correct[row] == 1.0,
+                "reward": sum(present) if present else math.nan,
+                "rewards": rewards,
+            }
+        )
+    if num_processes > 1:
+        records = gather_object(records)
+    # Drop the padding of the shards (a repeated index) and restore the dataset order.
+    records = sorted({record["index"]: record for record in records}.values(), key=lambda record: record["index"])
+
+    def mean(values):
+        values = [value for value in values if not math.isnan(value)]
+        return sum(values) / len(values) if values else math.nan
+
+    return {
+        "task": task_name(task),
+        "split": split,
+        "num_examples": len(records),
+        "accuracy": sum(record["correct"] for record in records) / len(records),
+        "mean_reward": mean([record["reward"] for record in records]),
+        "rewards": {name: mean([record["rewards"][name] for record in records]) for name in rewards_by_name},
+        # The sampler's fields, with the resolved number of steps.
+        "generation_config": {
+            **{name: getattr(generation_config, name) for name in generation_config.__dataclass_fields__},
+            "steps": generation_config.num_steps,
+        },
+        "records": records,
+    }
+
+
+class TaskEvaluationCallback(TrainerCallback):
+    """Evaluates the trained model on a task every `eval_every_steps` optimiser steps and at the end of training,
+    and logs `eval/<task>/accuracy`, `eval/<task>/reward` and `eval/<task>/num_examples` through the trainer (so they
+    appear in `trainer.state.log_history` and in every `report_to` backend).
+
+    The evaluation runs on the trainer's model as it is being trained (for LFPO, the current policy, not the EMA
+    policy that generates the rollouts), unwrapped from DDP / DeepSpeed (ZeRO-3 parameters gathered when
+    `ds3_gather_for_generation` is on) and FSDP, in eval mode, without gradients; train mode is restored afterwards.
+    Under several processes every process evaluates its share of the examples (see [`evaluate_task`]); with a model
+    whose forward passes are collective (FSDP, ZeRO-3 without gathering) keep the evaluation sampler's step count
+    fixed (no `threshold`, `early_stop` or `stop_patience`) so that every process runs the same number of them.
+
+    Args:
+        trainer (`transformers.Trainer`):
+            The trainer to evaluate during (a trl_diffusion trainer, or any trainer of a diffusion model); add the
+            callback with `trainer.add_callback(callback)`.
+        task (`Task` or `str`):
+            A task or the name of a built-in one.
+        eval_every_steps (`int`):
+            Evaluate when the global step is a multiple of it (and after the last step).
+        split, num_examples, generation_config, batch_size, seed:
+            As in [`evaluate_task`] (the examples are loaded once). `generation_config` defaults to the task's
+            greedy sampler, so the numbers match `trl-diffusion eval` on a saved checkpoint.
+        progress_bar (`bool`, *optional*, defaults to `False`):
+            Show a progress bar over the evaluation batches.
+    """
+
+    def __init__(
+        self,
+        trainer,
+        task,
+        *,
+        eval_every_steps: int,
+        split: str = "test",
+        num_examples: int | None = 200,
+        generation_config: DiffusionGenerationConfig | None = None,
+        batch_size: int = 16,
+        seed: int = 0,
+        progress_bar: bool = False,
+    ):
+        if eval_every_steps < 1:
+            raise ValueError(f"`eval_every_steps` must be at least 1, got {eval_every_steps}.")
+        self.trainer = trainer
+        self.task = resolve_task(task)
+        self.name = task if isinstance(task, str) else task_name(self.task)
+        self.eval_every_steps = eval_every_steps
+        self.split = split
+        self.num_examples = num_examples
+        self.generation_config = generation_config or task_generation_config(self.task)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.progress_bar = progress_bar
+        self.results = None  # the last evaluation's result, records included
+        self._dataset = None
+        self._last_step = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.eval_every_steps == 0 or state.global_step >= state.max_steps:
+            self.evaluate(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # Training stopped before its planned last step (e.g. a callback ended it): evaluate the final model too.
+        if self._last_step != state.global_step:
+            self.evaluate(state)
+
+    def evaluate(self, state) -> dict:
+        """Runs the evaluation now and logs its metrics. Every process must call it."""
+        from trl.distributed import DistributedBackend
+        from trl.models.utils import unwrap_model_for_generation
+
+        trainer = self.trainer
+        if self._dataset is None:
+            self._dataset = self.task.load(split=self.split, num_examples=self.num_examples, seed=self.seed)
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        args = trainer.args
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            ) as model,
+            DistributedBackend(trainer.accelerator).summon_full_params(trainer.model_wrapped, recurse=False),
+        ):
+            self.results = evaluate_task(
+                model,
+                tokenizer,
+                self.task,
+                split=self.split,
+                num_examples=self.num_examples,
+                generation_config=self.generation_config,
+                batch_size=self.batch_size,
+                seed=self.seed,
+                progress_bar=self.progress_bar,
+                dataset=self._dataset,
+                adapter=getattr(trainer, "adapter", None),
+                accelerator=trainer.accelerator,
+                chat_template_kwargs=getattr(args, "chat_template_kwargs", None),
+                trainer_state=state,
+            )
+        self._last_step = state.global_step
+        prefix = f"eval/{self.name}"
+        metrics = {
+            f"{prefix}/accuracy": self.results["accuracy"],
+            f"{prefix}/reward": self.results["mean_reward"],
+            f"{prefix}/num_examples": self.results["num_examples"],
+        }
+        # transformers.Trainer.log, not the trainer's own: TRL's `log` would flush (and reset) the training metrics
+        # gathered since the last logging step into this entry. Logging clears `should_log`, which the step's own
+        # logging (after the callbacks) still needs.
+        should_log = trainer.control.should_log
+        transformers.Trainer.log(trainer, metrics)
+        trainer.control.should_log = should_log
+        return self.results
