@@ -1,11 +1,13 @@
 """The denoising sampler of masked diffusion language models (LLaDA's semi-autoregressive sampler, with Dream's
-remasking strategies, classifier-free guidance, Fast-dLLM's confidence-threshold parallel decoding and early
-stopping at a terminator).
+remasking strategies, classifier-free guidance, Fast-dLLM's confidence-threshold parallel decoding and key/value
+caches, and early stopping at a terminator).
 
 The canvas is `[prompt (left-padded) | gen_length mask tokens]`. The completion is decoded block by block, left to
 right. Every step runs the model once, proposes a token `x0` for each masked position of the current block (argmax,
 or Gumbel-max at `temperature`), scores each proposal with a confidence, and commits the most confident ones: as
-many as the schedule says, or, with `threshold`, every proposal at least that confident.
+many as the schedule says, or, with `threshold`, every proposal at least that confident. With a cache, only the
+first step of a block runs the whole canvas; the block's other steps recompute the block (and, for the prefix cache,
+everything after it) against keys and values cached at the block's first step.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .models.adapter import DiffusionAdapter
+from .models.adapter import CanvasCache, DiffusionAdapter
 
 SCHEDULES = ("linear", "cosine")
 REMASKING_STRATEGIES = ("low_confidence", "random", "entropy", "margin")
 # Confidences of these strategies are probabilities, so a threshold in (0, 1] means something for them.
 THRESHOLD_REMASKING_STRATEGIES = ("low_confidence", "margin")
+CACHE_MODES = ("none", "prefix", "dual")
 
 GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
 
@@ -73,6 +76,15 @@ class DiffusionGenerationConfig:
         defer_terminators (`bool`, defaults to `False`):
             Give proposals that are terminators the lowest confidence, so that they are committed only when the
             schedule runs out of other positions (LLaDA 1.5's `confidence_eos_eot_inf`).
+        cache (`str`, defaults to `"none"`):
+            Key/value caching of the denoising steps (Fast-dLLM). `"none"`: every step runs the whole canvas.
+            `"prefix"`: the first step of a block runs the whole canvas and caches it; the block's other steps feed
+            only the block and everything after it, reading the keys and values of the positions before the block
+            (prompt and finished blocks) from that first step. `"dual"`: the block's other steps feed only the block,
+            reading the positions before and after it from the first step. Both are approximations (cached positions
+            do not see the block's later commits) that trade a little quality for speed; `"dual"` needs several
+            blocks and computes no predictions after the block, so it excludes `stop_patience`. The model's forward
+            must take a transformers `Cache` (`cache` or `past_key_values`).
         seed (`int`, *optional*):
             Seed of the private generator used when [`generate`] receives none. The global RNG is never used.
     """
@@ -141,6 +153,14 @@ class DiffusionGenerationConfig:
             "`confidence_eos_eot_inf`)."
         },
     )
+    cache: str = field(
+        default="none",
+        metadata={
+            "help": "Key/value caching of the denoising steps (Fast-dLLM): `none`, `prefix` (a block's later steps "
+            "feed the block and what follows it, reading the positions before it from the block's first step) or "
+            "`dual` (they feed only the block, reading the positions before and after it from the first step)."
+        },
+    )
     seed: int | None = field(
         default=None, metadata={"help": "Seed of the private generator used when `generate` receives none."}
     )
@@ -194,6 +214,18 @@ class DiffusionGenerationConfig:
                 )
         if self.stop_patience is not None and self.stop_patience < 1:
             raise ValueError(f"`stop_patience` must be at least 1 (or None to turn it off), got {self.stop_patience}.")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"Unknown `cache` {self.cache!r}: choose one of {CACHE_MODES}.")
+        if self.cache == "dual" and self.num_blocks == 1:
+            raise ValueError(
+                "`cache='dual'` caches the positions after the current block, and with `block_length = gen_length` "
+                f"({self.gen_length}) there are none: use `cache='prefix'`, or a smaller `block_length`."
+            )
+        if self.cache == "dual" and self.stop_patience is not None:
+            raise ValueError(
+                "`stop_patience` compares the predictions of the whole completion, and `cache='dual'` computes none "
+                "after the current block: use `cache='prefix'` with `stop_patience`."
+            )
         if self.record_steps is not None:
             self.record_steps = [int(step) for step in self.record_steps]
             if any(step < 0 for step in self.record_steps):
@@ -233,7 +265,9 @@ class DiffusionGenerationOutput:
         steps_per_row (`torch.LongTensor` of shape `(batch,)`):
             Steps (forward passes) each row took until it was finished.
         num_forward_passes (`int`):
-            Model calls made (a guided step is one batched call of twice the rows).
+            Model calls made (a guided step is one batched call of twice the rows). With a cache, a step whose rows
+            are at different points of their blocks (under `threshold` or `early_stop`) makes two: a full pass for
+            the rows entering a block and a cached pass for the others.
         tokens_per_forward (`float`):
             Completion tokens committed per forward pass, `gen_length / steps_per_row` averaged over the rows.
         mask_token_id (`int`):
@@ -300,13 +334,113 @@ def num_transfer_tokens(masked_counts: torch.LongTensor, num_steps: int, schedul
     raise ValueError(f"Unknown `schedule` {schedule!r}: choose one of {SCHEDULES}.")
 
 
-def _select_logits(logits: torch.Tensor, selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
-    """float32 logits of the `selected` positions (row-major), shape `(num_positions, vocab)`; under classifier-free
-    guidance `logits` stacks the conditional rows over the unconditional ones and the guided logits are returned."""
+@dataclass
+class _Logits:
+    """Logits of one model call: completion positions `start:start + logits.shape[1]` of the active rows `rows`
+    (all of them when the step made one call), conditional rows over unconditional ones under guidance."""
+
+    logits: torch.Tensor
+    start: int = 0
+    rows: torch.LongTensor | None = None
+
+
+def _select_logits(pieces: list[_Logits], selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
+    """float32 logits of the `selected` completion positions (row-major over the active rows), shape
+    `(num_positions, vocab)`, from the logits of one step's model calls. Every selected position lies in the window
+    of its row's call."""
+    if len(pieces) == 1:
+        piece = pieces[0]
+        return _guided(piece.logits, selected[:, piece.start : piece.start + piece.logits.shape[1]], cfg_scale)
+    # Several calls (a cached step whose rows are at different points of their blocks): put each call's positions at
+    # their rank in the row-major order of the whole batch.
+    rank = (selected.flatten().cumsum(0) - 1).view_as(selected)
+    selected_logits = None
+    for piece in pieces:
+        window = slice(piece.start, piece.start + piece.logits.shape[1])
+        piece_selected = selected[piece.rows, window]
+        piece_logits = _guided(piece.logits, piece_selected, cfg_scale)
+        if selected_logits is None:
+            selected_logits = piece_logits.new_empty((int(selected.sum()), piece_logits.shape[1]))
+        selected_logits[rank[piece.rows, window][piece_selected]] = piece_logits
+    return selected_logits
+
+
+def _guided(logits: torch.Tensor, selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
+    """float32 logits of the `selected` positions (row-major); under classifier-free guidance `logits` stacks the
+    conditional rows over the unconditional ones and the guided logits are returned."""
     if cfg_scale == 0:
         return logits[selected].float()
     conditional, unconditional = logits[selected.repeat(2, 1)].float().chunk(2)
     return unconditional + (cfg_scale + 1) * (conditional - unconditional)
+
+
+class _CachedForward:
+    """The model calls of a cached step. A row entering a block gets a full pass that also refreshes its cache rows;
+    the other rows get one pass over their block (`"dual"`), or their block and everything after it (`"prefix"`),
+    reading every other position from the cache.
+
+    The cache holds the rows still decoding, ordered as the active rows (then their unconditional copies under
+    guidance); finished rows are dropped from it.
+    """
+
+    def __init__(
+        self, model, adapter: DiffusionAdapter, config: DiffusionGenerationConfig, model_inputs, canvas_shape
+    ):
+        self.model, self.adapter, self.config = model, adapter, config
+        self.model_inputs = model_inputs  # active rows -> (input_ids, attention_mask), doubled under guidance
+        self.batch_size, self.canvas_length = canvas_shape
+        self.cache = None
+        self.cache_ids = None  # canvas row r, and r + batch_size for its unconditional copy
+
+    def __call__(
+        self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
+    ) -> list[_Logits]:
+        """Logits of one step for `active_rows`; `refresh` marks the rows entering a block, `block_start` gives each
+        row's block (as a canvas position)."""
+        config, adapter, guided = self.config, self.adapter, self.config.cfg_scale > 0
+        gen_length = config.gen_length
+        ids = torch.cat([active_rows, active_rows + self.batch_size]) if guided else active_rows
+        if refresh.all():
+            self.cache = None  # free the old cache before the new one fills
+            cache = CanvasCache()
+            logits = adapter.logits(self.model, *self.model_inputs(active_rows), num_logits=gen_length, cache=cache)
+            self.cache, self.cache_ids = cache, ids
+            return [_Logits(logits)]
+        if not torch.equal(self.cache_ids, ids):
+            # Rows only ever leave the batch: keep the cache rows of those still decoding.
+            self.cache.batch_select_indices(torch.isin(self.cache_ids, ids).nonzero().squeeze(1))
+            self.cache_ids = ids
+
+        def cache_rows(index):
+            return torch.cat([index, index + len(active_rows)]) if guided else index
+
+        pieces = []
+        refreshed = refresh.nonzero().squeeze(1)
+        cached = (~refresh).nonzero().squeeze(1)
+        if len(refreshed) > 0:
+            logits = adapter.logits(
+                self.model,
+                *self.model_inputs(active_rows[refreshed]),
+                num_logits=gen_length,
+                cache=self.cache,
+                cache_rows=cache_rows(refreshed),
+            )
+            pieces.append(_Logits(logits, rows=refreshed))
+        start = block_start[cached]
+        end = start + config.block_length if config.cache == "dual" else torch.full_like(start, self.canvas_length)
+        if guided:
+            start, end = start.repeat(2), end.repeat(2)
+        logits = adapter.cached_logits(
+            self.model,
+            *self.model_inputs(active_rows[cached]),
+            self.cache,
+            start,
+            end,
+            cache_rows=cache_rows(cached) if len(refreshed) > 0 else None,
+        )
+        prompt_length = self.canvas_length - gen_length
+        pieces.append(_Logits(logits, start=int(start.min()) - prompt_length, rows=cached if pieces else None))
+        return pieces
 
 
 def _uniform_noise(
@@ -381,6 +515,17 @@ def _check_inputs(input_ids, attention_mask, config: DiffusionGenerationConfig, 
             f"A prompt contains the mask token (id {adapter.mask_token_id}); the sampler would overwrite it. Remove "
             "it from the prompts."
         )
+    if config.cache != "none":
+        if adapter.cache_argument is None:
+            raise ValueError(
+                f"`cache={config.cache!r}` needs a model whose forward takes a transformers `Cache` (`cache` or "
+                "`past_key_values`), and this one takes neither: use `cache='none'`."
+            )
+        if adapter.shift_logits and input_ids.shape[1] == 0:
+            raise ValueError(
+                "A cached step of a model with shifted logits reads the prediction of a block's first token from the "
+                "position before it: the prompts must not be empty."
+            )
     if config.early_stop and not adapter.terminator_ids:
         raise ValueError("`early_stop` needs terminator ids: pass `terminator_ids=` to `DiffusionAdapter.from_model`.")
     if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(input_ids):
@@ -451,6 +596,17 @@ def generate(
     completion = canvas[:, prompt_length:]  # a view: committing into it writes the canvas
     canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch_size, gen_length))], dim=1)
     unconditional_prompt = input_ids.masked_fill(attention_mask.bool(), mask_token_id)
+
+    def model_inputs(rows):
+        model_input, model_attention = canvas[rows], canvas_attention[rows]
+        if config.cfg_scale > 0:
+            unconditional_input = torch.cat([unconditional_prompt[rows], model_input[:, prompt_length:]], dim=1)
+            return torch.cat([model_input, unconditional_input]), torch.cat([model_attention, model_attention])
+        return model_input, model_attention
+
+    cached_forward = None
+    if config.cache != "none":
+        cached_forward = _CachedForward(model, adapter, config, model_inputs, canvas.shape)
     terminator_ids = torch.tensor(adapter.terminator_ids, dtype=torch.long, device=device)
     positions = torch.arange(gen_length, device=device)
 
@@ -465,7 +621,7 @@ def generate(
     record_steps = set(config.record_steps or ())
     recorded = {}
 
-    step = 0
+    step = num_forward_passes = 0
     bar = tqdm(total=config.num_steps, desc="Denoising", disable=not progress_bar)
     while not finished.all():
         if step in record_steps:
@@ -486,13 +642,12 @@ def generate(
             block_transfer_counts = torch.where(entered_block[:, None], block_counts, block_transfer_counts)
 
         active_rows = (~finished).nonzero().squeeze(1)
-        model_input = canvas[active_rows]
-        model_attention = canvas_attention[active_rows]
-        if config.cfg_scale > 0:
-            unconditional_input = torch.cat([unconditional_prompt[active_rows], model_input[:, prompt_length:]], dim=1)
-            model_input = torch.cat([model_input, unconditional_input])
-            model_attention = torch.cat([model_attention, model_attention])
-        logits = adapter.logits(model, model_input, model_attention, num_logits=gen_length)
+        if cached_forward is None:
+            logits = [_Logits(adapter.logits(model, *model_inputs(active_rows), num_logits=gen_length))]
+        else:
+            block_start = prompt_length + block_index[active_rows] * block_length
+            logits = cached_forward(active_rows, entered_block[active_rows], block_start)
+        num_forward_passes += len(logits)
 
         # Everything below sees only the committable positions, shape (num_positions, vocab).
         candidate_logits = _select_logits(logits, committable[active_rows], config.cfg_scale)
@@ -572,7 +727,7 @@ def generate(
         completion_ids=completion,
         commit_step=commit_step,
         steps_per_row=steps_per_row,
-        num_forward_passes=step,
+        num_forward_passes=num_forward_passes,
         tokens_per_forward=(gen_length / steps_per_row.double()).mean().item(),
         mask_token_id=mask_token_id,
         history=history,

@@ -1,4 +1,5 @@
-"""Model support: the adapter every component drives models through, native LLaDA and Dream, tiny builders.
+"""Model support: the adapter every component drives models through (and its key/value cache for the sampler), native
+LLaDA and Dream, tiny builders.
 
 Importing this package registers `model_type="llada"` and `model_type="Dream"` with the transformers Auto classes, so
 `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without `trust_remote_code`.
@@ -6,7 +7,7 @@ Importing this package registers `model_type="llada"` and `model_type="Dream"` w
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .adapter import KNOWN_MASK_TOKEN_IDS, KNOWN_TERMINATOR_IDS, DiffusionAdapter, unwrap_model
+from .adapter import KNOWN_MASK_TOKEN_IDS, KNOWN_TERMINATOR_IDS, CanvasCache, DiffusionAdapter, unwrap_model
 from .dream import DREAM_LORA_TARGET_MODULES, DreamConfig, DreamModel
 from .llada import (
     LLADA_LORA_EXCLUDE_MODULES,
@@ -32,6 +33,7 @@ __all__ = [
     "KNOWN_TERMINATOR_IDS",
     "LLADA_LORA_EXCLUDE_MODULES",
     "LLADA_LORA_TARGET_MODULES",
+    "CanvasCache",
     "DiffusionAdapter",
     "DreamConfig",
     "DreamModel",

@@ -1,12 +1,15 @@
 """One place that decides how a masked diffusion model is driven: its mask token, whether its logits are shifted,
-which tokens end a completion, and how long a canvas it accepts."""
+which tokens end a completion, how long a canvas it accepts, and how its keys and values are cached between
+denoising steps."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 # Published ids of the model families we know by `config.model_type`. A config field or the tokenizer wins over these.
 KNOWN_MASK_TOKEN_IDS = {"llada": 126336, "Dream": 151666}
@@ -27,6 +30,88 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+class _CanvasCacheLayer(CacheLayerMixin):
+    """Keys and values of one layer for every canvas position, shape `(rows, kv_heads, canvas_length, head_dim)`."""
+
+    is_sliding = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.keys, self.values = key_states, value_states
+        self.is_initialized = True
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        rows: torch.LongTensor | None = None,
+        window: slice | None = None,
+        fresh: torch.BoolTensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if window is None:
+            # A full pass: its keys and values become the store (of all rows, or of `rows`).
+            if rows is None:
+                self.lazy_initialization(key_states, value_states)
+            else:
+                self.keys.index_copy_(0, rows, key_states)
+                self.values.index_copy_(0, rows, value_states)
+            return key_states, value_states
+        # A window pass: the fresh positions are written over the store, the others are read from it. Writing in
+        # place is safe because every later pass rewrites the positions it reads fresh before attending to them.
+        keys = self.keys if rows is None else self.keys.index_select(0, rows)
+        values = self.values if rows is None else self.values.index_select(0, rows)
+        for stored, new in ((keys, key_states), (values, value_states)):
+            stored[:, :, window] = new if fresh is None else torch.where(fresh, new, stored[:, :, window])
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Every pass attends to the whole canvas.
+        return self.get_seq_length() or query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices], self.values[indices]
+
+
+class CanvasCache(Cache):
+    """The keys and values of every canvas position, for cached denoising steps (Fast-dLLM's prefix and dual caches).
+
+    Not an autoregressive cache: a full pass over the canvas ([`DiffusionAdapter.logits`] with `cache=`) stores the
+    keys and values of every position, layer by layer; a later pass ([`DiffusionAdapter.cached_logits`]) feeds only a
+    window of positions, writes their fresh keys and values over the stored ones and attends to the whole canvas, so
+    every position outside the window is served from the last full pass. Positions are never appended: the store
+    keeps the canvas layout, so the cached positions need not be a contiguous prefix (the dual cache reads a prefix
+    and a suffix around the fed block).
+
+    It works with any model whose attention layers call `cache.update(key, value, layer_idx)` and attend to the
+    returned tensors, and whose masks are sized by `cache.get_mask_sizes` (transformers' models, the native LLaDA).
+    """
+
+    def __init__(self):
+        super().__init__(layer_class_to_replicate=_CanvasCacheLayer)
+        self._rows = self._window = self._fresh = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_CanvasCacheLayer())
+        return self.layers[layer_idx].update(key_states, value_states, self._rows, self._window, self._fresh)
+
+    @contextlib.contextmanager
+    def _feeding(self, rows=None, window=None, fresh=None):
+        """Describes the next forward pass: which stored rows it runs on (default all), which canvas positions it feeds
+        (default the whole canvas, a full pass) and, per row, which fed positions are fresh (default all)."""
+        self._rows, self._window, self._fresh = rows, window, fresh
+        try:
+            yield
+        finally:
+            self._rows = self._window = self._fresh = None
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:
@@ -59,6 +144,9 @@ class DiffusionAdapter:
             Longest canvas (prompt plus completion) the model accepts, from its config; `None` when unknown.
         accepts_logits_to_keep (`bool`):
             Whether the model's forward takes `logits_to_keep`, so that only completion logits are computed.
+        cache_argument (`str` or `None`):
+            Name of the forward argument that takes a transformers `Cache` (`"cache"`, or the older
+            `"past_key_values"`); `None` when the model takes none, and the sampler's cached modes are refused.
     """
 
     mask_token_id: int
@@ -67,6 +155,7 @@ class DiffusionAdapter:
     pad_token_id: int | None = None
     context_length: int | None = None
     accepts_logits_to_keep: bool = False
+    cache_argument: str | None = None
 
     @classmethod
     def from_model(
@@ -156,6 +245,7 @@ class DiffusionAdapter:
 
         parameters = inspect.signature(base.forward).parameters
         accepts_logits_to_keep = "logits_to_keep" in parameters
+        cache_argument = next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
         return cls(
             mask_token_id=int(mask_token_id),
@@ -164,6 +254,7 @@ class DiffusionAdapter:
             pad_token_id=None if pad_token_id is None else int(pad_token_id),
             context_length=context_length,
             accepts_logits_to_keep=accepts_logits_to_keep,
+            cache_argument=cache_argument,
         )
 
     def logits(
@@ -172,6 +263,8 @@ class DiffusionAdapter:
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         num_logits: int | None = None,
+        cache: CanvasCache | None = None,
+        cache_rows: torch.LongTensor | None = None,
     ) -> torch.Tensor:
         """Runs `model` on a (left-padded) canvas and returns logits aligned with the input positions.
 
@@ -188,6 +281,12 @@ class DiffusionAdapter:
             num_logits (`int`, *optional*):
                 Return logits for the last `num_logits` positions only (the completion), computing no more than
                 needed when the model accepts `logits_to_keep`.
+            cache ([`CanvasCache`], *optional*):
+                Also store the keys and values of every position in this cache, for later
+                [`DiffusionAdapter.cached_logits`] passes. The pass itself is the uncached one.
+            cache_rows (`torch.LongTensor` of shape `(batch,)`, *optional*):
+                The rows of a filled `cache` that this pass refreshes (default: the cache is (re)filled with this
+                batch).
 
         Returns:
             `torch.Tensor` of shape `(batch, num_logits or seq_len, vocab)`: index `i` holds the prediction for the
@@ -204,7 +303,17 @@ class DiffusionAdapter:
             keep = num_logits + 1 if self.shift_logits else num_logits
             if self.accepts_logits_to_keep:
                 kwargs["logits_to_keep"] = keep
-        logits = model(input_ids=input_ids, **kwargs).logits
+        if cache is None:
+            logits = model(input_ids=input_ids, **kwargs).logits
+        else:
+            kwargs.update(self._cache_kwargs(cache))
+            with cache._feeding(rows=cache_rows):
+                logits = model(input_ids=input_ids, **kwargs).logits
+            if not cache.is_initialized:
+                raise ValueError(
+                    f"{type(unwrap_model(model)).__name__} took the cache but stored nothing in it: its attention does "
+                    "not go through `cache.update`, so it cannot decode with a cache. Use `cache='none'`."
+                )
         if keep is not None and logits.shape[1] != keep:
             logits = logits[:, -keep:]
         if self.shift_logits:
@@ -212,3 +321,66 @@ class DiffusionAdapter:
                 return logits[:, :-1]
             return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         return logits
+
+    def cached_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor,
+        cache: CanvasCache,
+        start: torch.LongTensor,
+        end: torch.LongTensor,
+        cache_rows: torch.LongTensor | None = None,
+    ) -> torch.Tensor:
+        """Runs `model` on positions `start:end` of each row only, every other position being read from `cache`.
+
+        The fed positions get fresh keys and values; all others keep those of the cache's last full pass (an
+        approximation: they do not see the tokens committed since). Rows may start and end at different positions:
+        the pass feeds `start.min():end.max()` and refreshes only each row's own range. A model with shifted logits
+        is also fed (and refreshed at) `start - 1`, whose output predicts the token at `start`.
+
+        Args:
+            model (`torch.nn.Module`):
+                The model (possibly PEFT- or DDP-wrapped), taking a `Cache` under `self.cache_argument`.
+            input_ids (`torch.LongTensor` of shape `(batch, canvas_length)`):
+                The whole canvas of each row (only the fed positions are read).
+            attention_mask (`torch.Tensor` of shape `(batch, canvas_length)`):
+                1 for real tokens, 0 for left padding, over the whole canvas.
+            cache ([`CanvasCache`]):
+                Filled by a full pass ([`DiffusionAdapter.logits`] with `cache=`) over the same rows.
+            start (`torch.LongTensor` of shape `(batch,)`):
+                First position to recompute in each row.
+            end (`torch.LongTensor` of shape `(batch,)`):
+                One past the last position to recompute in each row.
+            cache_rows (`torch.LongTensor` of shape `(batch,)`, *optional*):
+                The cache rows of this batch, when it is not the cache's whole batch.
+
+        Returns:
+            `torch.Tensor` of shape `(batch, end.max() - start.min(), vocab)`: index `j` holds the prediction for the
+            token at position `start.min() + j`.
+        """
+        if not cache.is_initialized:
+            raise ValueError("The cache is empty: fill it with a full pass, `logits(..., cache=cache)`, first.")
+        first, last = int(start.min()), int(end.max())
+        fed_first = first - int(self.shift_logits)
+        if fed_first < 0:
+            raise ValueError("A model with shifted logits needs a position before `start` (a non-empty prompt).")
+        fresh = None
+        if (start != first).any() or (end != last).any():
+            positions = torch.arange(fed_first, last, device=input_ids.device)
+            fresh = (positions >= start[:, None] - int(self.shift_logits)) & (positions < end[:, None])
+            fresh = fresh[:, None, :, None]  # broadcast over heads and head dimensions
+        kwargs = self._cache_kwargs(cache)
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, fed_first:last]
+        with cache._feeding(rows=cache_rows, window=slice(fed_first, last), fresh=fresh):
+            logits = model(input_ids=input_ids[:, fed_first:last], attention_mask=attention_mask, **kwargs).logits
+        # Shifted: output j predicts position fed_first + j + 1, so the first `last - first` outputs are the window's.
+        return logits[:, : last - first]
+
+    def _cache_kwargs(self, cache: CanvasCache) -> dict:
+        if self.cache_argument is None:
+            raise ValueError(
+                "This model's forward takes no `cache` (or `past_key_values`) argument, so it cannot decode with a "
+                "cache. Use `cache='none'`."
+            )
+        return {"use_cache": True, self.cache_argument: cache}
