@@ -14,7 +14,15 @@ from .hub import (
     load_math,
     load_mbpp,
 )
-from .metrics import CodePassRate, CountdownAccuracy, FormatRate, MathAccuracy, SudokuAccuracy
+from .larger_number import load_larger_number
+from .metrics import (
+    CodePassRate,
+    CountdownAccuracy,
+    FormatRate,
+    LargerNumberAccuracy,
+    MathAccuracy,
+    SudokuAccuracy,
+)
 from .procedural import TEST_FRACTION, split_of
 from .prompts import FORMAT_INSTRUCTION, user_prompt
 from .registry import TASKS, Task, get_task
@@ -28,6 +36,7 @@ __all__ = [
     "CountdownAccuracy",
     "FormatRate",
     "HubDatasetUnavailableError",
+    "LargerNumberAccuracy",
     "MathAccuracy",
     "SudokuAccuracy",
     "Task",
@@ -42,6 +51,7 @@ __all__ = [
     "load_gsm8k",
     "load_hub_dataset",
     "load_humaneval",
+    "load_larger_number",
     "load_math",
     "load_mbpp",
     "load_sudoku",

@@ -16,6 +16,7 @@ from ..rewards import (
     countdown_accuracy,
     format_reward,
     gsm8k_reward,
+    larger_number_reward,
     math_reward,
     sudoku_reward,
     sudoku_solved,
@@ -172,3 +173,18 @@ class FormatRate(evaluate.Metric):
 
     def _compute(self, predictions, **kwargs) -> dict[str, float]:
         return {"format_rate": _mean(format_reward(predictions))}
+
+
+class LargerNumberAccuracy(evaluate.Metric):
+    """Fraction of completions that are exactly the larger of the two numbers (`larger_number_reward`)."""
+
+    def _info(self) -> evaluate.MetricInfo:
+        return _info(
+            self.__doc__,
+            {"predictions": datasets.Value("string"), "references": datasets.Value("string")},
+            "predictions: completion texts. references: the larger number, as text.\n"
+            "Returns: {'accuracy': fraction exactly right}.",
+        )
+
+    def _compute(self, predictions, references) -> dict[str, float]:
+        return {"accuracy": _mean(larger_number_reward(predictions, answer=references))}

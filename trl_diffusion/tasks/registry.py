@@ -16,13 +16,15 @@ from ..rewards import (
     countdown_reward,
     format_reward,
     gsm8k_reward,
+    larger_number_reward,
     math_reward,
     sudoku_reward,
     sudoku_solved,
 )
 from .countdown import load_countdown
 from .hub import load_gsm8k, load_humaneval, load_math, load_mbpp
-from .metrics import CodePassRate, CountdownAccuracy, MathAccuracy, SudokuAccuracy
+from .larger_number import load_larger_number
+from .metrics import CodePassRate, CountdownAccuracy, LargerNumberAccuracy, MathAccuracy, SudokuAccuracy
 from .sudoku import load_sudoku
 
 
@@ -102,6 +104,17 @@ class Task:
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
+        Task(
+            name="larger_number",
+            description="Name the larger of two two-digit numbers (procedural): the built-in demo task.",
+            loader=load_larger_number,
+            reward_funcs=(larger_number_reward,),
+            accuracy_func=larger_number_reward,
+            metric_class=LargerNumberAccuracy,
+            reference_columns=("answer",),
+            max_completion_length=8,
+            block_length=8,
+        ),
         Task(
             name="countdown",
             description="Countdown with 3 numbers (procedural, as d1): reach the target with + - * /.",

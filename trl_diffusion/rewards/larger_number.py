@@ -1,0 +1,27 @@
+"""Reward of the `larger_number` task: the answer must be the larger of the two given numbers, nothing else."""
+
+from __future__ import annotations
+
+from .utils import completion_text
+
+
+def larger_number_reward(completions: list, answer: list[str] | None = None, **kwargs) -> list[float | None]:
+    """1.0 when the completion is exactly the larger number (surrounding whitespace ignored), else 0.0.
+
+    Args:
+        completions (`list[str]` or `list[list[dict[str, str]]]`):
+            Completions, standard (strings) or conversational (lists of messages).
+        answer (`list[str]`, *optional*):
+            The dataset's `answer` column: the larger number, as text.
+        **kwargs:
+            The other columns and trainer arguments; unused.
+
+    Returns:
+        `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without an answer.
+    """
+    if answer is None:
+        return [None] * len(completions)
+    return [
+        None if gold is None else float(completion_text(completion).strip() == str(gold))
+        for completion, gold in zip(completions, answer)
+    ]
