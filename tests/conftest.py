@@ -46,3 +46,12 @@ def tiny_dream(tiny_tokenizer):
     from trl_diffusion.models import build_tiny_dream
 
     return build_tiny_dream(tiny_tokenizer, seed=0).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """`tiny_llada` and its tokenizer saved as a checkpoint, once per session: trainers (and their reference or old
+    models) load it by path. Read-only for the tests: write elsewhere (e.g. to `tmp_path`)."""
+    from helpers import save_checkpoint
+
+    return save_checkpoint(tiny_llada, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llada"))

@@ -24,26 +24,15 @@ from datasets import Dataset
 
 from trl_diffusion.likelihood import elbo_term
 from trl_diffusion.masking import sample_masks
-from trl_diffusion.models import DiffusionAdapter, build_tiny_llada
+from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, VRPOConfig, VRPOTrainer
 from trl_diffusion.utils import SavedTensorsMeter
+
+from helpers import distinct_chars, select_rows
 
 COMPLETION_LENGTH = 16
 PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?"]
 WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-def reward(completions, **kwargs):
-    return [float(len(set(completion[0]["content"]))) for completion in completions]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer):
-    """A tiny LLaDA saved like a checkpoint: every trainer loads its own copy with identical weights."""
-    path = tmp_path_factory.mktemp("tiny-llada")
-    build_tiny_llada(tiny_tokenizer, seed=0).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +41,7 @@ def dataset():
 
 
 @pytest.fixture
-def make_trainer(model_dir, dataset, tiny_tokenizer, tmp_path):
+def make_trainer(tiny_llada_dir, dataset, tiny_tokenizer, tmp_path):
     """Builds a BGPO or VRPO trainer in training mode, with the state `Trainer.train` would set for a step."""
 
     def make(trainer_class, **overrides):
@@ -78,8 +67,8 @@ def make_trainer(model_dir, dataset, tiny_tokenizer, tmp_path):
         )
         settings.update(overrides)
         trainer = trainer_class(
-            model=model_dir,
-            reward_funcs=reward,
+            model=tiny_llada_dir,
+            reward_funcs=distinct_chars,
             args=config_class(**settings),
             train_dataset=dataset,
             processing_class=tiny_tokenizer,
@@ -96,15 +85,6 @@ def generate_batch(trainer, dataset, num_rows=4):
     generations = trainer.args.num_generations
     rows = [dataset[index // generations] for index in range(num_rows)]
     return {**trainer._generate_and_score_completions(rows), "mc_iteration": 0}
-
-
-def select_rows(batch, rows):
-    """The sub-batch of `rows` (batch-first tensors sliced; scalars such as `mc_iteration` kept)."""
-    size = batch["completion_canvas"].shape[0]
-    return {
-        key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size else value
-        for key, value in batch.items()
-    }
 
 
 def gradients(model):
@@ -340,9 +320,9 @@ def load_worker():
 
 
 @pytest.fixture(scope="module")
-def one_process_step(model_dir, tmp_path_factory):
+def one_process_step(tiny_llada_dir, tmp_path_factory):
     """The reference: one process, one optimiser step over the global batch of 8 rows."""
-    return load_worker().train_one_step(model_dir, str(tmp_path_factory.mktemp("one-process")), 8)
+    return load_worker().train_one_step(tiny_llada_dir, str(tmp_path_factory.mktemp("one-process")), 8)
 
 
 def compare_runs(actual, expected, label):
@@ -362,17 +342,17 @@ def compare_runs(actual, expected, label):
     assert worst_update <= 1e-5 * largest_update
 
 
-def test_gradient_accumulation_trains_like_one_large_batch(model_dir, tmp_path, one_process_step):
+def test_gradient_accumulation_trains_like_one_large_batch(tiny_llada_dir, tmp_path, one_process_step):
     """End to end: per-device batch 4 with GA=2 (one rollout batch of 8, shuffled and split by TRL) takes the same
     optimiser step as one micro-batch of 8."""
-    accumulated = load_worker().train_one_step(model_dir, str(tmp_path), 4, gradient_accumulation_steps=2)
+    accumulated = load_worker().train_one_step(tiny_llada_dir, str(tmp_path), 4, gradient_accumulation_steps=2)
     assert torch.equal(
         accumulated["rollouts"][0]["completion_canvas"], one_process_step["rollouts"][0]["completion_canvas"]
     )
     compare_runs(accumulated, one_process_step, "GA=2 vs one batch of 8")
 
 
-def test_two_processes_train_like_one_process(model_dir, tmp_path, one_process_step):
+def test_two_processes_train_like_one_process(tiny_llada_dir, tmp_path, one_process_step):
     """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows: same rollouts (keyed by global
     row, temperature 0.7, prompts of different lengths), same parameters after the step, on both ranks."""
     output_dir = tmp_path / "ddp"
@@ -386,7 +366,7 @@ def test_two_processes_train_like_one_process(model_dir, tmp_path, one_process_s
         "2",
         str(WORKER),
         "--model-dir",
-        model_dir,
+        tiny_llada_dir,
         "--output-dir",
         str(output_dir),
         "--per-device-train-batch-size",

@@ -27,7 +27,6 @@ from trl_diffusion import BGPOConfig, BGPOTrainer, DiffusionGenerationConfig
 from trl_diffusion import cli as cli_module
 from trl_diffusion.cli import TRAINING_COMMANDS, DiffusionScriptArguments, EvalArguments, main, run_recipe
 from trl_diffusion.evaluation import TaskEvaluationCallback, evaluate_task
-from trl_diffusion.models import build_tiny_llada
 from trl_diffusion.tasks import TASKS, Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,14 +82,6 @@ PARITY = Task(
     max_completion_length=16,
     block_length=8,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-llada")
-    build_tiny_llada(tiny_tokenizer, seed=0).save_pretrained(directory)
-    tiny_tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture
@@ -161,14 +152,16 @@ def test_top_level_help_lists_subcommands(capsys):
     assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
 
 
-def test_bad_arguments_fail_clearly(model_dir, tmp_path):
+def test_bad_arguments_fail_clearly(tiny_llada_dir, tmp_path):
     with pytest.raises(SystemExit):  # an accelerate flag without --accelerate_config
-        main(["bgpo", "--model_name_or_path", model_dir, "--dataset_name", "countdown", "--num_processes", "2"])
+        main(["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", "countdown", "--num_processes", "2"])
     with pytest.raises(ValueError, match="neither a file nor a preset"):
         cli_module.resolve_accelerate_config("zero7")
     with pytest.raises(ValueError, match="--reward_funcs"):  # a dataset that is not a task needs reward functions
         Dataset.from_dict({"prompt": ["hi"]}).save_to_disk(tmp_path / "data")
-        main(["bgpo", "--model_name_or_path", model_dir, "--dataset_name", str(tmp_path / "data"), *TINY_TRAINING])
+        main(
+            ["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", str(tmp_path / "data"), *TINY_TRAINING]
+        )
 
 
 def test_presets_ship_in_the_package():
@@ -179,11 +172,19 @@ def test_presets_ship_in_the_package():
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def test_bgpo_lora_in_process_then_eval_the_adapter(model_dir, tmp_path, reward_module):
+def test_bgpo_lora_in_process_then_eval_the_adapter(tiny_llada_dir, tmp_path, reward_module):
     """`trl-diffusion bgpo` on a built-in task's prompts with LoRA (LLaDA's target modules by default) and a reward
     function named by import path, then `trl-diffusion eval` on the saved adapter directory."""
     output_dir = tmp_path / "bgpo"
-    argv = ["bgpo", "--model_name_or_path", model_dir, "--dataset_name", "countdown", "--output_dir", str(output_dir)]
+    argv = [
+        "bgpo",
+        "--model_name_or_path",
+        tiny_llada_dir,
+        "--dataset_name",
+        "countdown",
+        "--output_dir",
+        str(output_dir),
+    ]
     argv += [*TINY_TRAINING, "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_mc_samples", "2"]
     argv += ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
     assert main([*argv, "--reward_funcs", reward_module]) == 0
@@ -208,24 +209,24 @@ def test_bgpo_lora_in_process_then_eval_the_adapter(model_dir, tmp_path, reward_
     assert [record["index"] for record in results["records"]] == [0, 1, 2]
 
 
-def test_sft_in_process(model_dir, tmp_path):
+def test_sft_in_process(tiny_llada_dir, tmp_path):
     """`trl-diffusion sft` on a local prompt / completion dataset."""
     data = Dataset.from_dict({"prompt": ["ab=", "cd=", "ef=", "gh="], "completion": ["ba", "dc", "fe", "hg"]})
     data.save_to_disk(tmp_path / "data")
-    argv = ["sft", "--model_name_or_path", model_dir, "--dataset_name", str(tmp_path / "data")]
+    argv = ["sft", "--model_name_or_path", tiny_llada_dir, "--dataset_name", str(tmp_path / "data")]
     argv += ["--output_dir", str(tmp_path / "sft"), "--max_steps", "1", "--per_device_train_batch_size", "4"]
     argv += ["--use_cpu", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
     assert main(argv) == 0
     assert (tmp_path / "sft" / "model.safetensors").is_file()
 
 
-def test_console_script_and_multi_gpu_preset_with_two_cpu_processes(model_dir, tmp_path, reward_module):
+def test_console_script_and_multi_gpu_preset_with_two_cpu_processes(tiny_llada_dir, tmp_path, reward_module):
     """The `trl-diffusion` entry point with one process and 4 rows, and `--accelerate_config multi_gpu` with two
     processes of 2 rows each: the same global batch, so the same rollouts and (up to float reduction order) the same
     update. Two rows per process are only valid for 4 generations per prompt with two processes, so this also shows
     that the preset really ran two. The evaluation callback runs in both, split across the two processes."""
     assert CONSOLE_SCRIPT.is_file(), "reinstall the package (`pip install -e .`) to get the console script"
-    common = ["bgpo", "--model_name_or_path", model_dir, "--dataset_name", "sudoku", *TINY_TRAINING]
+    common = ["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", "sudoku", *TINY_TRAINING]
     common += ["--max_steps", "1", "--num_mc_samples", "2", "--learning_rate", "1e-2", "--optim", "sgd"]
     common += ["--reward_funcs", reward_module, "--save_strategy", "steps", "--save_steps", "1"]
     common += ["--eval_every_steps", "1", "--eval_num_examples", "3", "--eval_max_completion_length", "16"]
@@ -244,7 +245,7 @@ def test_console_script_and_multi_gpu_preset_with_two_cpu_processes(model_dir, t
             timeout=300,
         )
         assert process.returncode == 0, f"{argv}\n{process.stdout[-2000:]}\n{process.stderr[-4000:]}"
-    initial = load_file(str(Path(model_dir) / "model.safetensors"))
+    initial = load_file(str(Path(tiny_llada_dir) / "model.safetensors"))
     one_process, two_processes = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert any(not torch.equal(initial[name], one_process[name]) for name in initial)
     for name, tensor in one_process.items():
@@ -261,14 +262,14 @@ def test_console_script_and_multi_gpu_preset_with_two_cpu_processes(model_dir, t
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 
-def test_eval_command_matches_evaluate_task(model_dir, tmp_path, parity_task):
+def test_eval_command_matches_evaluate_task(tiny_llada_dir, tmp_path, parity_task):
     results_path = tmp_path / "results.json"
-    argv = ["eval", "--model", model_dir, "--task", "parity", "--num_examples", "7", "--batch_size", "3"]
+    argv = ["eval", "--model", tiny_llada_dir, "--task", "parity", "--num_examples", "7", "--batch_size", "3"]
     assert main([*argv, "--output", str(results_path)]) == 0
     from_cli = json.loads(results_path.read_text())
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llada_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llada_dir)
     direct = evaluate_task(model, tokenizer, parity_task, num_examples=7, batch_size=5, progress_bar=False)
     assert 0.0 < direct["accuracy"] < 1.0  # the check below compares something
     assert from_cli["accuracy"] == direct["accuracy"]
@@ -281,12 +282,12 @@ def test_eval_command_matches_evaluate_task(model_dir, tmp_path, parity_task):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_sharded_evaluation_equals_one_process(model_dir, parity_task, monkeypatch, temperature):
+def test_sharded_evaluation_equals_one_process(tiny_llada_dir, parity_task, monkeypatch, temperature):
     """Each process evaluates its slice (the last one padded); the union of the slices is the one-process result,
     at any batch size, also when sampling (per-row generators)."""
     monkeypatch.setattr("trl_diffusion.evaluation.gather_object", lambda records: records)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llada_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llada_dir)
     config = dataclasses.replace(TINY_SAMPLER, temperature=temperature)
     evaluate = partial(evaluate_task, model, tokenizer, parity_task, generation_config=config, progress_bar=False)
     whole = evaluate(num_examples=7, batch_size=7)
@@ -299,7 +300,7 @@ def test_sharded_evaluation_equals_one_process(model_dir, parity_task, monkeypat
     assert shards[0]["records"] + shards[1]["records"] == whole["records"]
 
 
-def test_callback_logs_accuracy_into_log_history(model_dir, tiny_tokenizer, parity_task, tmp_path):
+def test_callback_logs_accuracy_into_log_history(tiny_llada_dir, tiny_tokenizer, parity_task, tmp_path):
     args = BGPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -319,7 +320,7 @@ def test_callback_logs_accuracy_into_log_history(model_dir, tiny_tokenizer, pari
         disable_tqdm=True,
     )
     trainer = BGPOTrainer(
-        model=model_dir,
+        model=tiny_llada_dir,
         reward_funcs=list(parity_task.reward_funcs),
         args=args,
         train_dataset=parity_task.load(num_examples=8),
@@ -370,10 +371,10 @@ def test_example_parses_help_with_the_recipe_as_defaults(name, capsys):
     assert f"(default: {module.RECIPE['learning_rate']})" in help_text
 
 
-def test_bgpo_example_runs_one_step_with_its_evaluation(model_dir, tmp_path):
+def test_bgpo_example_runs_one_step_with_its_evaluation(tiny_llada_dir, tmp_path):
     """The BGPO recipe on a tiny model: full fine-tuning, and the recipe's evaluation callback (made small)."""
     module = load_example("bgpo_countdown")
-    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
     argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_mc_samples", "2"]
     argv += ["--gradient_accumulation_steps", "1", "--eval_num_examples", "2", "--eval_max_completion_length", "16"]
     argv += ["--eval_block_length", "8", "--eval_diffusion_steps", "8"]
@@ -381,10 +382,10 @@ def test_bgpo_example_runs_one_step_with_its_evaluation(model_dir, tmp_path):
     assert (tmp_path / "model.safetensors").is_file()
 
 
-def test_espo_example_runs_one_step(model_dir, tmp_path):
+def test_espo_example_runs_one_step(tiny_llada_dir, tmp_path):
     """The ESPO recipe (LoRA, mu = 8, coupled ELBO, KL) on a tiny model."""
     module = load_example("espo_sudoku")
-    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
     argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_mc_samples", "1"]
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("espo", module.RECIPE, argv) == 0

@@ -12,87 +12,31 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
-from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOConfig, TrlParser
 
 from trl_diffusion.likelihood import elbo_term, masked_token_logprobs
 from trl_diffusion.masking import sample_masks
-from trl_diffusion.models import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES, DiffusionAdapter
+from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import ESPOConfig, ESPOTrainer
 
-L = 8  # canvas length of the trainer tests
+import helpers
+from helpers import TINY_ROLLOUTS, cli_args, cpu_argv, gradients, tiny_grpo_config, tiny_trainer
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-llada")
-    tiny_llada.save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
+L = TINY_ROLLOUTS["max_completion_length"]  # canvas length of the trainer tests
 
 
 def make_args(output_dir, **overrides):
-    kwargs = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=L,
-        block_length=4,
-        diffusion_steps=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return ESPOConfig(**{**kwargs, **overrides})
+    return tiny_grpo_config(ESPOConfig, output_dir, **overrides)
 
 
-def distinct_chars(completions, **kwargs):
-    return [float(len(set(c if isinstance(c, str) else c[0]["content"]))) for c in completions]
-
-
-def lora_config():
-    return LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=LLADA_LORA_TARGET_MODULES,
-        exclude_modules=LLADA_LORA_EXCLUDE_MODULES,
-    )
-
-
-def make_trainer(model_dir, args, *, peft=False, reward_funcs=distinct_chars, **kwargs):
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {i}"}] for i in range(8)]})
-    return ESPOTrainer(
-        model=model_dir,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=dataset,
-        peft_config=lora_config() if peft else None,
-        **kwargs,
-    )
+def make_trainer(model, args, **kwargs):
+    return tiny_trainer(ESPOTrainer, model, args, **kwargs)
 
 
 def rollout_batch(trainer, num_prompts=2):
     """One rollout batch built the way training builds it (sampler, rewards, advantages, stored terms)."""
-    trainer.model.train()
-    rows = [{"prompt": [{"role": "user", "content": f"say {i}"}]} for i in range(num_prompts)]
-    rows = [row for row in rows for _ in range(trainer.num_generations)]
-    inputs = trainer._generate_and_score_completions(rows)
-    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
-    return {**inputs, "mc_iteration": 0}
-
-
-def gradients(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {**helpers.rollout_batch(trainer, num_prompts), "mc_iteration": 0}
 
 
 def assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-8):
@@ -144,7 +88,7 @@ class Recorder(TrainerCallback):
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_train_save_and_resume(peft, model_dir, tmp_path):
+def test_train_save_and_resume(peft, tiny_llada_dir, tmp_path):
     """mu = 2 and GA = 2 (rollouts reused: old terms stored), k2 to a reference (a loaded copy, or the adapter
     disabled), a checkpoint every step, and a new trainer resuming from the first checkpoint."""
     args = make_args(
@@ -156,7 +100,7 @@ def test_train_save_and_resume(peft, model_dir, tmp_path):
         gradient_checkpointing=peft,
     )
     assert args.beta == 1e-3 and args.mask_sampler == "coupled" and args.num_mc_samples == 2
-    trainer = make_trainer(model_dir, args, peft=peft)
+    trainer = make_trainer(tiny_llada_dir, args, peft=peft)
     assert (trainer.ref_model is None) == peft
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -190,7 +134,7 @@ def test_train_save_and_resume(peft, model_dir, tmp_path):
     card = (checkpoint / "README.md").read_text()
     assert "ESPO" in card and "2512.03759" in card
 
-    resumed = make_trainer(model_dir, args, peft=peft)
+    resumed = make_trainer(tiny_llada_dir, args, peft=peft)
     resumed_recorder = Recorder(resumed.model)
     resumed.add_callback(resumed_recorder)
     resumed.train(resume_from_checkpoint=str(checkpoint))
@@ -208,14 +152,14 @@ def test_train_save_and_resume(peft, model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["on-policy", "stored-old-terms"])
-def test_on_policy_gradient_is_reinforce_on_the_normalised_elbo(reuse, model_dir, tmp_path):
+def test_on_policy_gradient_is_reinforce_on_the_normalised_elbo(reuse, tiny_llada_dir, tmp_path):
     """beta = 0 and theta = theta_old: rho = 1 and grad = -(1/B) sum_b A_b grad(B_b / L) / GA.
 
     `stored-old-terms` (mu = 2) computes B_old at generation time in a separate no_grad pass; before any update it
     must equal B_theta under the same masks, so the gradient is the same."""
     num_iterations = 2 if reuse else 1
     args = make_args(tmp_path, beta=0.0, gradient_accumulation_steps=2, num_iterations=num_iterations)
-    trainer = make_trainer(model_dir, args)
+    trainer = make_trainer(tiny_llada_dir, args)
     inputs = rollout_batch(trainer)
     assert ("old_elbo_terms" in inputs) == reuse and "ref_elbo_terms" not in inputs
     advantages = torch.tensor([1.5, -0.5, 0.25, -1.25, 2.0, -3.0, 0.75, 0.0])
@@ -246,11 +190,11 @@ def test_on_policy_gradient_is_reinforce_on_the_normalised_elbo(reuse, model_dir
     assert_same_gradients(actual, expected)
 
 
-def test_k2_penalty_and_gradient_match_the_hand_computation(model_dir, tmp_path):
+def test_k2_penalty_and_gradient_match_the_hand_computation(tiny_llada_dir, tmp_path):
     """k2 = (B_theta - B_ref)^2 / (2L) with hand-set reference terms: loss, logged KL and gradient."""
     beta = 0.05
     args = make_args(tmp_path, beta=beta, gradient_accumulation_steps=2)
-    trainer = make_trainer(model_dir, args)
+    trainer = make_trainer(tiny_llada_dir, args)
     inputs = rollout_batch(trainer)
     model = trainer.model
     num_rows, ga = inputs["completion_canvas"].shape[0], args.gradient_accumulation_steps
@@ -305,7 +249,7 @@ def test_k2_penalty_and_gradient_match_the_hand_computation(model_dir, tmp_path)
         assert loss.item() == pytest.approx(beta * expected_kl.mean().item() / ga, rel=1e-5, abs=1e-9)
 
 
-def test_leave_one_out_advantages(model_dir, tmp_path):
+def test_leave_one_out_advantages(tiny_llada_dir, tmp_path):
     """A_i = r_i - mean_{j != i} r_j over the scored completions of the group (a completion no reward function
     scored gets 0 and is no one's baseline); leave_one_out=False is TRL's r_i - mean_j r_j."""
     table = [1.0, 0.0, 3.0, 0.5, 2.0, None, 0.0, 4.0]
@@ -315,7 +259,7 @@ def test_leave_one_out_advantages(model_dir, tmp_path):
 
     for leave_one_out in (True, False):
         args = make_args(tmp_path, beta=0.0, leave_one_out=leave_one_out)
-        trainer = make_trainer(model_dir, args, reward_funcs=fixed_rewards)
+        trainer = make_trainer(tiny_llada_dir, args, reward_funcs=fixed_rewards)
         advantages = rollout_batch(trainer)["advantages"].tolist()
         expected = []
         for group in (table[:4], table[4:]):
@@ -467,19 +411,6 @@ def test_every_field_espo_adds_or_redefaults_parses_from_the_command_line(tmp_pa
     base = {f.name: f.default for f in dataclasses.fields(ESPOConfig.__mro__[1])}
     changed = {f.name for f in dataclasses.fields(ESPOConfig) if f.name not in base or f.default != base[f.name]}
     assert changed == set(values), changed ^ set(values)
-    argv = [
-        "--output_dir",
-        str(tmp_path),
-        "--use_cpu",
-        "true",
-        "--bf16",
-        "false",
-        "--max_completion_length",
-        "16",
-        "--block_length",
-        "8",
-    ]
-    for name, value in values.items():
-        argv += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", "--block_length", "8", *cli_args(values)]
     (config,) = TrlParser((ESPOConfig,)).parse_args_and_config(args=argv)
     assert {name: getattr(config, name) for name in values} == values

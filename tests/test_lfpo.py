@@ -12,8 +12,6 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
-from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import TrlParser
 
@@ -21,94 +19,20 @@ import trl_diffusion.trainer.base as trainer_base
 from trl_diffusion.generation import DiffusionGenerationConfig, generate
 from trl_diffusion.likelihood import masked_token_logprobs
 from trl_diffusion.masking import completion_region
-from trl_diffusion.models import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES, DiffusionAdapter
+from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import LFPOConfig, LFPOTrainer
 from trl_diffusion.trainer.lfpo_trainer import lfpo_state_masks
 from trl_diffusion.utils import SavedTensorsMeter
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-llada")
-    tiny_llada.save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
+from helpers import cli_args, cpu_argv, gradients, rollout_batch, select_rows, tiny_grpo_config, tiny_trainer
 
 
 def make_args(output_dir, **overrides):
-    kwargs = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        block_length=4,
-        diffusion_steps=4,
-        lfpo_num_states=4,
-        lfpo_block_size=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return LFPOConfig(**{**kwargs, **overrides})
+    return tiny_grpo_config(LFPOConfig, output_dir, **{"lfpo_num_states": 4, "lfpo_block_size": 4, **overrides})
 
 
-def distinct_chars(completions, **kwargs):
-    return [float(len(set(c if isinstance(c, str) else c[0]["content"]))) for c in completions]
-
-
-def lora_config():
-    return LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=LLADA_LORA_TARGET_MODULES,
-        exclude_modules=LLADA_LORA_EXCLUDE_MODULES,
-    )
-
-
-def make_trainer(model_dir, args, *, peft=False, reward_funcs=distinct_chars, **kwargs):
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {i}"}] for i in range(8)]})
-    return LFPOTrainer(
-        model=model_dir,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=dataset,
-        peft_config=lora_config() if peft else None,
-        **kwargs,
-    )
-
-
-def rollout_batch(trainer, num_prompts=2):
-    """One rollout batch built the way training builds it (sampler with the old policy, rewards, advantages, states)."""
-    trainer.model.train()
-    rows = [{"prompt": [{"role": "user", "content": f"say {i}"}]} for i in range(num_prompts)]
-    rows = [row for row in rows for _ in range(trainer.num_generations)]
-    inputs = trainer._generate_and_score_completions(rows)
-    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
-    return inputs
-
-
-def select_rows(inputs, rows):
-    """The batch restricted to (or rebuilt from) the given row indices."""
-    rows = torch.as_tensor(rows)
-    num_rows = inputs["completion_canvas"].shape[0]
-    return {
-        key: value[rows]
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == num_rows
-        else value
-        for key, value in inputs.items()
-    }
-
-
-def gradients(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+def make_trainer(model, args, **kwargs):
+    return tiny_trainer(LFPOTrainer, model, args, **kwargs)
 
 
 def norm(grads):
@@ -185,8 +109,8 @@ def spy_on_ema(trainer):
     return calls
 
 
-def make_recorded_trainer(model_dir, args, peft):
-    trainer = make_trainer(model_dir, args, peft=peft)
+def make_recorded_trainer(model, args, peft):
+    trainer = make_trainer(model, args, peft=peft)
     recorder = Recorder()
     recorder.trainer = trainer
     trainer.add_callback(recorder)
@@ -194,7 +118,7 @@ def make_recorded_trainer(model_dir, args, peft):
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_train_save_and_resume(peft, model_dir, tmp_path):
+def test_train_save_and_resume(peft, tiny_llada_dir, tmp_path):
     """mu = 2 and GA = 2 (two optimiser steps per rollout round), six steps (three rounds, EMA updates after steps 2
     and 4), a checkpoint every round, and a new trainer resuming from the one at step 4: it must restore theta and
     theta_old (which by then differs from both the initial and the current weights) and apply the update of the
@@ -208,7 +132,7 @@ def test_train_save_and_resume(peft, model_dir, tmp_path):
         save_steps=2,
         gradient_checkpointing=peft,
     )
-    trainer, recorder, ema_calls = make_recorded_trainer(model_dir, args, peft)
+    trainer, recorder, ema_calls = make_recorded_trainer(tiny_llada_dir, args, peft)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     if peft:
         assert trainer.old_model is None and set(unwrapped.peft_config) == {"default", "old"}
@@ -247,7 +171,7 @@ def test_train_save_and_resume(peft, model_dir, tmp_path):
     card = (checkpoint / "README.md").read_text()
     assert "LFPO" in card and "2603.01563" in card
 
-    resumed, resumed_recorder, resumed_calls = make_recorded_trainer(model_dir, args, peft)
+    resumed, resumed_recorder, resumed_calls = make_recorded_trainer(tiny_llada_dir, args, peft)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 6 and list(resumed_recorder.at_end) == [5, 6]
     start_step, start_policy, start_old = resumed_recorder.at_begin
@@ -277,12 +201,12 @@ ADVANTAGES = torch.tensor([-7.0, -2.0, 0.5, 6.0, 12.0, -5.5, 3.0, 0.0])  # c = 5
     [(False, "trajectory"), (False, "forward"), (True, "trajectory")],
     ids=["full", "full-forward", "lora"],
 )
-def test_on_policy_gradient_is_clipped_advantage_times_state_logprob_gradient(peft, states, model_dir, tmp_path):
+def test_on_policy_gradient_is_clipped_advantage_times_state_logprob_gradient(peft, states, tiny_llada_dir, tmp_path):
     """theta = theta_old: for every contrastive_beta b, grad = -clip(A, -c, c) * grad mean_{i in M} log p_theta(y_i |
     state), averaged over the (row, state) pairs and divided by GA. The one-sided variants give -c r and c (1 - r)
     in place of -clip(A, -c, c) = -c (2 r - 1)."""
     args = make_args(tmp_path, gradient_accumulation_steps=2, lfpo_states=states)
-    trainer = make_trainer(model_dir, args, peft=peft)
+    trainer = make_trainer(tiny_llada_dir, args, peft=peft)
     model = trainer.model
     if peft:  # a fresh LoRA adapter is zero: start from a non-trivial theta = theta_old
         with torch.no_grad():
@@ -326,13 +250,13 @@ def test_on_policy_gradient_is_clipped_advantage_times_state_logprob_gradient(pe
         assert relative < 1e-5
 
 
-def test_off_policy_step_raises_or_lowers_the_likelihood_of_the_states(model_dir, tmp_path):
+def test_off_policy_step_raises_or_lowers_the_likelihood_of_the_states(tiny_llada_dir, tmp_path):
     """theta != theta_old: an SGD step on r = 1 (A >= c) raises the mean log p_theta(y_i | state) over the states'
     masked positions; on r = 0 (A <= -c) it lowers it. Beyond c the weight saturates: A = c and A = 3c take the
     same step. (Full fine-tuning: this also checks that the old policy's weight copy computes with its own weights,
     not through the trained model's patched `forward`.)"""
     args = make_args(tmp_path)
-    trainer = make_trainer(model_dir, args)
+    trainer = make_trainer(tiny_llada_dir, args)
     inputs = rollout_batch(trainer)
     with torch.no_grad():  # move theta away from theta_old
         generator = torch.Generator().manual_seed(0)
@@ -368,7 +292,7 @@ def test_off_policy_step_raises_or_lowers_the_likelihood_of_the_states(model_dir
 
 
 @pytest.mark.parametrize("rewards", [[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
-def test_group_update_sums_to_zero_on_policy(rewards, model_dir, tmp_path):
+def test_group_update_sums_to_zero_on_policy(rewards, tiny_llada_dir, tmp_path):
     """Binary rewards, one group of identical completions and states, on-policy: sum_b (2 r_b - 1) = sum_b
     clip(A_b, -c, c) / c = 0, so the group's total gradient vanishes. The check can fail: with c = 1, TRL's
     group-normalised advantages of [1, 0, 0, 0] (about [1.5, -0.5, -0.5, -0.5]) are clipped unevenly, sum -0.5."""
@@ -377,7 +301,7 @@ def test_group_update_sums_to_zero_on_policy(rewards, model_dir, tmp_path):
         return list(rewards)
 
     args = make_args(tmp_path)
-    trainer = make_trainer(model_dir, args, reward_funcs=fixed_rewards)
+    trainer = make_trainer(tiny_llada_dir, args, reward_funcs=fixed_rewards)
     batch = rollout_batch(trainer, num_prompts=1)
     advantages = batch["advantages"].clone()
     group = select_rows(batch, [0, 0, 0, 0])  # one completion, its states, four times
@@ -416,7 +340,7 @@ def test_group_update_sums_to_zero_on_policy(rewards, model_dir, tmp_path):
     [(False, {}), (False, dict(ema_alpha_rate=0.1, ema_alpha_max=0.3)), (True, dict(ema_alpha_rate=0.1))],
     ids=["full-paper-schedule", "full-capped", "lora"],
 )
-def test_ema_old_policy_follows_the_schedule_once_per_round(peft, schedule, model_dir, tmp_path, monkeypatch):
+def test_ema_old_policy_follows_the_schedule_once_per_round(peft, schedule, tiny_llada_dir, tmp_path, monkeypatch):
     """GA = 1 and steps_per_generation = 2: a rollout round every two optimiser steps. Before each round after the
     first (and only then), theta_old <- a theta_old + (1 - a) theta with a = min(rate * s, max), s the optimiser
     steps so far and theta the weights after the round's last step; the rollout is then generated by theta_old."""
@@ -431,7 +355,7 @@ def test_ema_old_policy_follows_the_schedule_once_per_round(peft, schedule, mode
 
     monkeypatch.setattr(trainer_base, "generate", recording_generate)
     args = make_args(tmp_path, steps_per_generation=2, max_steps=8, **schedule)
-    trainer, recorder, ema_calls = make_recorded_trainer(model_dir, args, peft)
+    trainer, recorder, ema_calls = make_recorded_trainer(tiny_llada_dir, args, peft)
     rate, cap = args.ema_alpha_rate, args.ema_alpha_max
     assert (rate, cap) == (schedule.get("ema_alpha_rate", 1e-3), schedule.get("ema_alpha_max", 0.5))
     trainer.train()
@@ -462,13 +386,13 @@ def test_ema_old_policy_follows_the_schedule_once_per_round(peft, schedule, mode
             assert policy is trainer.old_model
 
 
-def test_rollouts_come_from_the_old_policy_and_alpha_zero_is_a_hard_copy(model_dir, tmp_path):
+def test_rollouts_come_from_the_old_policy_and_alpha_zero_is_a_hard_copy(tiny_llada_dir, tmp_path):
     """Same seed, a hard copy (ema_alpha = 0) against a fixed alpha = 0.9: the first round (theta_old = theta) is
     identical, the second differs, because the old policies differ and they generate the rollouts."""
     rollouts, old_policies = {}, {}
     for alpha in (0.0, 0.9):
         args = make_args(tmp_path / str(alpha), steps_per_generation=2, max_steps=4, ema_alpha=alpha)
-        trainer, recorder, ema_calls = make_recorded_trainer(model_dir, args, peft=False)
+        trainer, recorder, ema_calls = make_recorded_trainer(tiny_llada_dir, args, peft=False)
         captured = []
         generate_and_score = trainer._generate_and_score_completions
 
@@ -496,12 +420,12 @@ def test_rollouts_come_from_the_old_policy_and_alpha_zero_is_a_hard_copy(model_d
 # ---------------------------------------------------------------------------------------------- memory
 
 
-def test_activation_memory_is_flat_in_the_number_of_states(model_dir, tmp_path):
+def test_activation_memory_is_flat_in_the_number_of_states(tiny_llada_dir, tmp_path):
     """Peak bytes saved for backward over one training step on a fixed batch: blocks of 2 (row, state) pairs, K = 2
     against K = 16 (within 10%), and all B * K pairs in one block (much larger)."""
     length, rows = 16, 4
     args = make_args(tmp_path, max_completion_length=length, block_length=8, diffusion_steps=16)
-    trainer = make_trainer(model_dir, args)
+    trainer = make_trainer(tiny_llada_dir, args)
     base = rollout_batch(trainer, num_prompts=1)
     region = completion_region(base["completion_canvas"], trainer.adapter.terminator_ids, args.elbo_region)
     trainer._prepare_inputs = lambda inputs: inputs  # the batch as given, no rollout buffering
@@ -664,20 +588,7 @@ def test_every_field_lfpo_adds_or_redefaults_parses_from_the_command_line(tmp_pa
     base = {f.name: f.default for f in dataclasses.fields(LFPOConfig.__mro__[1])}
     changed = {f.name for f in dataclasses.fields(LFPOConfig) if f.name not in base or f.default != base[f.name]}
     assert changed == set(values) | {"warmup_ratio"}, changed ^ set(values)
-    argv = [
-        "--output_dir",
-        str(tmp_path),
-        "--use_cpu",
-        "true",
-        "--bf16",
-        "false",
-        "--max_completion_length",
-        "16",
-        "--block_length",
-        "8",
-    ]
-    for name, value in values.items():
-        argv += [f"--{name}", str(value)]
+    argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", "--block_length", "8", *cli_args(values)]
     (config,) = TrlParser((LFPOConfig,)).parse_args_and_config(args=argv)
     assert {name: getattr(config, name) for name in values} == values
     (config,) = TrlParser((LFPOConfig,)).parse_args_and_config(args=argv + ["--warmup_ratio", "0.2"])

@@ -11,44 +11,27 @@ import pytest
 import torch
 from accelerate import Accelerator
 from datasets import Dataset
-from peft import LoraConfig, PeftModel
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig, TrlParser
 
 from trl_diffusion import DiffusionGenerationConfig, DiffusionSFTConfig, DiffusionSFTTrainer, generate
 from trl_diffusion.generation import cut_at_terminator
 from trl_diffusion.likelihood import exact_elbo_eps
-from trl_diffusion.models import (
-    LLADA_LORA_EXCLUDE_MODULES,
-    LLADA_LORA_TARGET_MODULES,
-    build_tiny_bidirectional_llama,
-    build_tiny_llada,
-    build_tiny_tokenizer,
-)
+from trl_diffusion.models import build_tiny_bidirectional_llama, build_tiny_llada, build_tiny_tokenizer
 from trl_diffusion.models.tiny import EOT_TOKEN
 from trl_diffusion.trainer import sft_trainer
 from trl_diffusion.trainer.sft_trainer import DataCollatorForDiffusionSFT, sample_completion_masks
+
+from helpers import cpu_argv, lora_config, tiny_config
 
 PROMPTS = ["ab=", "hello=", "x="]
 COMPLETIONS = ["ba", "o", "xyz"]
 
 
 def make_args(output_dir, **overrides) -> DiffusionSFTConfig:
-    kwargs = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        max_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return DiffusionSFTConfig(**{**kwargs, **overrides})
+    settings = dict(per_device_train_batch_size=4, max_steps=1, learning_rate=1e-3)
+    return tiny_config(DiffusionSFTConfig, output_dir, **{**settings, **overrides})
 
 
 def standard_dataset(prompts=PROMPTS, completions=COMPLETIONS) -> Dataset:
@@ -341,19 +324,12 @@ def test_gradient_accumulation_matches_one_large_batch(tiny_llada, tiny_tokenize
 
 
 def test_lora_trains_only_the_adapter(tiny_llada, tiny_tokenizer, tmp_path):
-    peft_config = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=LLADA_LORA_TARGET_MODULES,
-        exclude_modules=LLADA_LORA_EXCLUDE_MODULES,
-    )
     trainer = DiffusionSFTTrainer(
         model=copy.deepcopy(tiny_llada),
         args=make_args(tmp_path, max_steps=2, gradient_checkpointing=True, learning_rate=1e-2),
         train_dataset=conversational_dataset(),
         processing_class=tiny_tokenizer,
-        peft_config=peft_config,
+        peft_config=lora_config(),
     )
     assert isinstance(trainer.model, PeftModel)
     initial = {name: parameter.detach().clone() for name, parameter in trainer.model.named_parameters()}
@@ -408,14 +384,11 @@ def test_pretokenized_dataset(tiny_llada, tiny_tokenizer, tmp_path):
     trainer.train()
 
 
-def test_model_from_path_saves_and_reloads(tiny_llada, tiny_tokenizer, tmp_path):
+def test_model_from_path_saves_and_reloads(tiny_llada_dir, tiny_tokenizer, tmp_path):
     """The model and tokenizer load from a path; the trained model reloads with `AutoModelForCausalLM` and computes
     the same logits; the model card names the method and cites LLaDA."""
-    source = tmp_path / "tiny-llada"
-    tiny_llada.save_pretrained(source)
-    tiny_tokenizer.save_pretrained(source)
     trainer = DiffusionSFTTrainer(
-        model=str(source), args=make_args(tmp_path / "out", max_steps=2), train_dataset=standard_dataset()
+        model=tiny_llada_dir, args=make_args(tmp_path / "out", max_steps=2), train_dataset=standard_dataset()
     )
     trainer.train()
     saved = tmp_path / "saved"
@@ -433,12 +406,7 @@ def test_model_from_path_saves_and_reloads(tiny_llada, tiny_tokenizer, tmp_path)
 def test_new_fields_parse_from_the_command_line(tmp_path):
     (args,) = TrlParser((DiffusionSFTConfig,)).parse_args_and_config(
         [
-            "--output_dir",
-            str(tmp_path),
-            "--use_cpu",
-            "true",
-            "--bf16",
-            "false",
+            *cpu_argv(tmp_path),
             "--completion_length",
             "256",
             "--max_prompt_length",

@@ -13,11 +13,9 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOConfig, TrlParser
 
-from trl_diffusion.models import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
 from trl_diffusion.trainer import (
     BGPOConfig,
     BGPOTrainer,
@@ -29,6 +27,17 @@ from trl_diffusion.trainer import (
     VRPOTrainer,
 )
 
+from helpers import (
+    cli_args,
+    completion_texts,
+    cpu_argv,
+    distinct_chars,
+    save_checkpoint,
+    say_dataset,
+    tiny_grpo_config,
+    tiny_trainer,
+)
+
 # ---------------------------------------------------------------------------------------------- shared helpers
 
 TRAINERS = {
@@ -38,73 +47,20 @@ TRAINERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
-    """The tiny LLaDA and its tokenizer saved as a checkpoint: trainers load it (and their reference model) by path."""
-    path = tmp_path_factory.mktemp("tiny-llada")
-    tiny_llada.save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def make_args(name: str, output_dir, **overrides):
-    """A tiny, fast config of trainer `name`: one prompt x 4 completions per micro-batch, 8-token canvas in 2 blocks."""
-    config_class = TRAINERS[name][0]
-    kwargs = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        block_length=4,
-        diffusion_steps=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        seed=0,
-    )
+    """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
+    ELBO trainers."""
+    settings = dict(beta=0.0)
     if name != "d1":
-        kwargs["num_mc_samples"] = 2
-    return config_class(**{**kwargs, **overrides})
+        settings["num_mc_samples"] = 2
+    return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
 
 
-def make_dataset(kind: str = "standard", num_prompts: int = 8) -> Dataset:
-    if kind == "standard":
-        return Dataset.from_dict({"prompt": [f"say {i}" for i in range(num_prompts)]})
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {i}"}] for i in range(num_prompts)]})
-
-
-def completion_texts(completions) -> list[str]:
-    return [c if isinstance(c, str) else c[0]["content"] for c in completions]
-
-
-def distinct_chars(completions, **kwargs):
-    """A toy reward with variance on random tiny-model output: the number of distinct characters."""
-    return [float(len(set(text))) for text in completion_texts(completions)]
-
-
-def lora_config() -> LoraConfig:
-    return LoraConfig(
-        r=4,
-        lora_alpha=8,
-        lora_dropout=0.0,
-        target_modules=LLADA_LORA_TARGET_MODULES,
-        exclude_modules=LLADA_LORA_EXCLUDE_MODULES,
-    )
-
-
-def make_trainer(name, model, args, *, prompts="standard", reward_funcs=distinct_chars, peft=False, **kwargs):
-    kwargs.setdefault("train_dataset", make_dataset(prompts))
-    trainer_class = TRAINERS[name][1]
-    return trainer_class(
-        model=model, reward_funcs=reward_funcs, args=args, peft_config=lora_config() if peft else None, **kwargs
-    )
+def make_trainer(name, model, args, *, prompts="standard", **kwargs):
+    """Trainer `name` on the 8 "say i" prompts, as strings (`prompts="standard"`) or messages, unless
+    `train_dataset` is given."""
+    kwargs.setdefault("train_dataset", say_dataset(conversational=prompts != "standard"))
+    return tiny_trainer(TRAINERS[name][1], model, args, **kwargs)
 
 
 def capture_rollouts(trainer) -> list[dict]:
@@ -173,11 +129,11 @@ E2E_CASES = {
 
 @pytest.mark.parametrize("case", list(E2E_CASES))
 @pytest.mark.parametrize("name", list(TRAINERS))
-def test_train_end_to_end(name, case, model_dir, tmp_path):
+def test_train_end_to_end(name, case, tiny_llada_dir, tmp_path):
     options = dict(E2E_CASES[case])
     prompts, peft = options.pop("prompts"), options.pop("peft")
     args = make_args(name, tmp_path, gradient_checkpointing=True, **options)
-    trainer = make_trainer(name, model_dir, args, prompts=prompts, peft=peft)
+    trainer = make_trainer(name, tiny_llada_dir, args, prompts=prompts, peft=peft)
     if args.beta > 0 and not peft:
         assert trainer.ref_model is not None  # rebuilt by TRL from the model path
     else:
@@ -232,9 +188,9 @@ class StepCounter(TrainerCallback):
 
 
 @pytest.mark.parametrize(("name", "peft"), [("d1", True), ("vrpo", False), ("bgpo", False)])
-def test_checkpoint_and_resume(name, peft, model_dir, tmp_path):
+def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     args = make_args(name, tmp_path / "run", save_strategy="steps", save_steps=1, max_steps=2)
-    uninterrupted = make_trainer(name, model_dir, args, peft=peft)
+    uninterrupted = make_trainer(name, tiny_llada_dir, args, peft=peft)
     uninterrupted.train()
 
     checkpoint = tmp_path / "run" / "checkpoint-1"
@@ -248,7 +204,7 @@ def test_checkpoint_and_resume(name, peft, model_dir, tmp_path):
 
     counter = StepCounter()
     resumed_args = make_args(name, tmp_path / "resumed", save_strategy="steps", save_steps=1, max_steps=2)
-    resumed = make_trainer(name, model_dir, resumed_args, peft=peft, callbacks=[counter])
+    resumed = make_trainer(name, tiny_llada_dir, resumed_args, peft=peft, callbacks=[counter])
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == args.max_steps
     assert counter.steps == 1  # it continued from step 1 rather than starting over
@@ -311,13 +267,12 @@ def non_default_value(f):
 def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     fields = fields_to_parse(config_class)
     assert fields
-    argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--max_completion_length", "16"]
     expected = {}
     for f in fields:
         value = non_default_value(f)
         assert value != f.default, f.name
         expected[f.name] = value
-        argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args(expected)]
     (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
     assert type(config) is config_class
     parsed = {name: getattr(config, name) for name in expected}
@@ -325,7 +280,7 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
 
 
 def test_paper_defaults(tmp_path):
-    argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    argv = cpu_argv(tmp_path)
     for config_class in (DiffuGRPOConfig, VRPOConfig, BGPOConfig):
         (parsed,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
         built = config_class(output_dir=str(tmp_path), use_cpu=True, bf16=False)
@@ -368,17 +323,17 @@ def test_invalid_config_is_refused(name, overrides, match, tmp_path):
 # ---------------------------------------------------------------------------------------------- bad input
 
 
-def test_reward_of_wrong_length_raises(model_dir, tmp_path):
+def test_reward_of_wrong_length_raises(tiny_llada_dir, tmp_path):
     def short_reward(completions, **kwargs):
         return distinct_chars(completions)[:-1]
 
-    trainer = make_trainer("vrpo", model_dir, make_args("vrpo", tmp_path, max_steps=1), reward_funcs=short_reward)
+    trainer = make_trainer("vrpo", tiny_llada_dir, make_args("vrpo", tmp_path, max_steps=1), reward_funcs=short_reward)
     with pytest.raises(ValueError, match="'short_reward' returned 3 rewards for 4 completions"):
         trainer.train()
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))
-def test_unscored_rows_get_zero_advantage(name, model_dir, tmp_path):
+def test_unscored_rows_get_zero_advantage(name, tiny_llada_dir, tmp_path):
     """NaN and None rewards leave their rows unscored: advantage exactly 0, the group baseline over the others."""
     unscored_masks = []
 
@@ -393,7 +348,7 @@ def test_unscored_rows_get_zero_advantage(name, model_dir, tmp_path):
         return rewards
 
     args = make_args(name, tmp_path)
-    trainer = make_trainer(name, model_dir, args, reward_funcs=partial_reward)
+    trainer = make_trainer(name, tiny_llada_dir, args, reward_funcs=partial_reward)
     rollouts = capture_rollouts(trainer)
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -413,7 +368,7 @@ def test_unscored_rows_get_zero_advantage(name, model_dir, tmp_path):
     assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters())
 
 
-def test_raising_reward_is_logged_and_counted(model_dir, tmp_path, caplog):
+def test_raising_reward_is_logged_and_counted(tiny_llada_dir, tmp_path, caplog):
     calls = []
 
     def flaky_reward(completions, **kwargs):
@@ -423,7 +378,7 @@ def test_raising_reward_is_logged_and_counted(model_dir, tmp_path, caplog):
         return distinct_chars(completions)
 
     args = make_args("bgpo", tmp_path)
-    trainer = make_trainer("bgpo", model_dir, args, reward_funcs=flaky_reward)
+    trainer = make_trainer("bgpo", tiny_llada_dir, args, reward_funcs=flaky_reward)
     with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
         trainer.train()
 
@@ -435,18 +390,18 @@ def test_raising_reward_is_logged_and_counted(model_dir, tmp_path, caplog):
     assert math.isfinite(logs[1]["reward"])
 
 
-def test_empty_dataset_raises(model_dir, tmp_path):
+def test_empty_dataset_raises(tiny_llada_dir, tmp_path):
     with pytest.raises(ValueError, match="empty"):
-        make_trainer("d1", model_dir, make_args("d1", tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
+        make_trainer("d1", tiny_llada_dir, make_args("d1", tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
 
 
-def test_tools_are_refused(model_dir, tmp_path):
+def test_tools_are_refused(tiny_llada_dir, tmp_path):
     def get_time() -> str:
         """Returns the time."""
         return "noon"
 
     with pytest.raises(ValueError, match="`tools` is not supported"):
-        make_trainer("vrpo", model_dir, make_args("vrpo", tmp_path), tools=[get_time])
+        make_trainer("vrpo", tiny_llada_dir, make_args("vrpo", tmp_path), tools=[get_time])
 
 
 def test_model_without_mask_token_is_refused(tiny_llama, tiny_tokenizer, tmp_path):
@@ -458,18 +413,18 @@ def test_model_without_mask_token_is_refused(tiny_llama, tiny_tokenizer, tmp_pat
         make_trainer("bgpo", model, make_args("bgpo", tmp_path), processing_class=tokenizer)
 
 
-def test_prompt_longer_than_the_context(model_dir, tmp_path, tiny_llada):
+def test_prompt_longer_than_the_context(tiny_llada_dir, tmp_path, tiny_llada):
     context = tiny_llada.config.max_sequence_length
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x" * context + str(i)}] for i in range(2)]})
 
     args = make_args("d1", tmp_path, max_prompt_length=None, max_steps=1)
-    trainer = make_trainer("d1", model_dir, args, train_dataset=dataset)
+    trainer = make_trainer("d1", tiny_llada_dir, args, train_dataset=dataset)
     with pytest.raises(ValueError, match="longer than the model's context"):
         trainer.train()
 
     # Truncated from the left, the prompt keeps its end (the chat template's generation prompt) and trains.
     args = make_args("d1", tmp_path, max_prompt_length=16, max_steps=1)
-    trainer = make_trainer("d1", model_dir, args, train_dataset=dataset)
+    trainer = make_trainer("d1", tiny_llada_dir, args, train_dataset=dataset)
     rollouts = capture_rollouts(trainer)
     trainer.train()
     assert trainer.state.global_step == 1
@@ -490,10 +445,7 @@ def eos_model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
         head = model.get_output_embeddings().weight
         head[:, 0] = 0.0
         head[tiny_tokenizer.eos_token_id, 0] = 3.0
-    path = tmp_path_factory.mktemp("tiny-llada-eos")
-    model.save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
+    return save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llada-eos"))
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))

@@ -19,14 +19,18 @@ from .models.adapter import DiffusionAdapter
 def _scored_logprobs(
     model: torch.nn.Module,
     adapter: DiffusionAdapter,
-    input_ids: torch.LongTensor,
-    attention_mask: torch.Tensor,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    noisy_completion: torch.LongTensor,
     targets: torch.LongTensor,
     scored: torch.BoolTensor,
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass over the canvas; float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere
-    (and, with `return_entropy`, the entropy of each scored prediction, 0 elsewhere)."""
+    """One forward pass over the canvas `prompt_ids + noisy_completion` (attention on the real prompt tokens and all
+    L completion positions); float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere (and, with
+    `return_entropy`, the entropy of each scored prediction, 0 elsewhere)."""
+    input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(targets, dtype=prompt_mask.dtype)], dim=1)
     logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
     # Gather the scored rows before normalising: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
     scored_logits = logits[scored].float()
@@ -71,9 +75,7 @@ def masked_token_logprobs(
         `torch.FloatTensor` of shape `(batch, completion_length)`: the log-probs at masked positions, 0 elsewhere.
     """
     noisy_completion = completion_ids.masked_fill(masked, adapter.mask_token_id)
-    input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
-    return _scored_logprobs(model, adapter, input_ids, attention_mask, completion_ids, masked)
+    return _scored_logprobs(model, adapter, prompt_ids, prompt_mask, noisy_completion, completion_ids, masked)
 
 
 def elbo_term(
@@ -181,16 +183,12 @@ def mean_field_logprobs(
         the entropies.
     """
     prompt_masked = sample_prompt_masks(prompt_mask, p_mask_prompt, seeds, iteration)
-    input_ids = torch.cat(
-        [
-            prompt_ids.masked_fill(prompt_masked, adapter.mask_token_id),
-            torch.full_like(completion_ids, adapter.mask_token_id),
-        ],
-        dim=1,
-    )
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
+    noisy_prompt = prompt_ids.masked_fill(prompt_masked, adapter.mask_token_id)
+    noisy_completion = torch.full_like(completion_ids, adapter.mask_token_id)
     scored = torch.ones_like(completion_ids, dtype=torch.bool) if region is None else region
-    return _scored_logprobs(model, adapter, input_ids, attention_mask, completion_ids, scored, return_entropy)
+    return _scored_logprobs(
+        model, adapter, noisy_prompt, prompt_mask, noisy_completion, completion_ids, scored, return_entropy
+    )
 
 
 def _count_weights(n: int, eps: float) -> list[float]:

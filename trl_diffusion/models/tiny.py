@@ -88,9 +88,12 @@ def build_tiny_bidirectional_llama(
         dtype (`torch.dtype`):
             Parameter dtype.
     """
-    tokenizer = tokenizer or build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    return _build_tiny_model(
+        LlamaForCausalLM,
+        LlamaConfig,
+        tokenizer,
+        seed,
+        dtype,
         hidden_size=hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
@@ -98,16 +101,8 @@ def build_tiny_bidirectional_llama(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=terminator_ids(tokenizer),
-        attn_implementation="sdpa",
+        is_causal=False,
     )
-    config.is_causal = False
-    config.mask_token_id = tokenizer.mask_token_id
-    model = LlamaForCausalLM(config)
-    reinitialise(model, seed)
-    return model.to(dtype)
 
 
 def reinitialise(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
@@ -120,6 +115,32 @@ def reinitialise(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
             elif name.endswith("bias"):
                 parameter.zero_()
+
+
+def _build_tiny_model(
+    model_class: type[torch.nn.Module],
+    config_class: type,
+    tokenizer: PreTrainedTokenizerFast | None,
+    seed: int,
+    dtype: torch.dtype,
+    **sizes,
+) -> torch.nn.Module:
+    """What every tiny builder shares: a `config_class` of the given sizes whose vocabulary and special ids come from
+    the tokenizer (default: [`build_tiny_tokenizer`]; EOS and end-of-turn as terminators), SDPA attention, weights
+    redrawn by [`reinitialise`] from `seed`, parameters cast to `dtype`."""
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = config_class(
+        vocab_size=len(tokenizer),
+        **sizes,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=terminator_ids(tokenizer),
+        mask_token_id=tokenizer.mask_token_id,
+        attn_implementation="sdpa",
+    )
+    model = model_class(config)
+    reinitialise(model, seed)
+    return model.to(dtype)
 
 
 def build_tiny_llada(
@@ -150,24 +171,20 @@ def build_tiny_llada(
             Parameter dtype (RoPE stays float32 whatever it is).
     """
     tokenizer = tokenizer or build_tiny_tokenizer()
-    config = LLaDAConfig(
+    return _build_tiny_model(
+        LLaDAModelLM,
+        LLaDAConfig,
+        tokenizer,
+        seed,
+        dtype,
         d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=n_heads,
         n_layers=n_layers,
         mlp_hidden_size=mlp_hidden_size,
         max_sequence_length=max_sequence_length,
-        vocab_size=len(tokenizer),
         embedding_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=terminator_ids(tokenizer),
-        mask_token_id=tokenizer.mask_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        attn_implementation="sdpa",
     )
-    model = LLaDAModelLM(config)
-    reinitialise(model, seed)
-    return model.to(dtype)
 
 
 def build_tiny_dream(
@@ -197,9 +214,12 @@ def build_tiny_dream(
         dtype (`torch.dtype`):
             Parameter dtype.
     """
-    tokenizer = tokenizer or build_tiny_tokenizer()
-    config = DreamConfig(
-        vocab_size=len(tokenizer),
+    return _build_tiny_model(
+        DreamModel,
+        DreamConfig,
+        tokenizer,
+        seed,
+        dtype,
         hidden_size=hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
@@ -207,12 +227,4 @@ def build_tiny_dream(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         max_window_layers=num_hidden_layers,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=terminator_ids(tokenizer),
-        mask_token_id=tokenizer.mask_token_id,
-        attn_implementation="sdpa",
     )
-    model = DreamModel(config)
-    reinitialise(model, seed)
-    return model.to(dtype)

@@ -139,13 +139,16 @@ def run_tests(
 
 def _run_completions(
     completions: list,
-    tests: Sequence[Sequence[str] | None],
-    test_setup: Sequence[str | None],
+    tests: Sequence[Sequence[str] | None] | None,
+    test_setup: Sequence[str | None] | None,
     timeout_seconds: float,
     memory_limit_mb: int,
     max_workers: int | None,
 ) -> list[TestRun | None]:
-    """Runs every completion that has tests; `None` for rows without tests, a zero run for rows without code."""
+    """Runs every completion that has tests; `None` for rows without tests, a zero run for rows without code. A
+    missing `tests` or `test_setup` column (see [`column_values`]) means none for every row."""
+    tests = column_values(tests, len(completions))
+    test_setup = column_values(test_setup, len(completions))
 
     def run_one(completion, row_tests, row_setup) -> TestRun | None:
         if not row_tests:
@@ -205,8 +208,6 @@ def code_reward(
     [1.0, 0.0]
     ```
     """
-    tests = column_values(tests, len(completions))
-    test_setup = column_values(test_setup, len(completions))
     runs = _run_completions(completions, tests, test_setup, timeout_seconds, memory_limit_mb, max_workers)
     return [None if run is None else run.pass_rate for run in runs]
 
@@ -241,7 +242,5 @@ def code_solved(
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without tests.
     """
-    tests = column_values(tests, len(completions))
-    test_setup = column_values(test_setup, len(completions))
     runs = _run_completions(completions, tests, test_setup, timeout_seconds, memory_limit_mb, max_workers)
     return [None if run is None else float(run.passed == run.total) for run in runs]

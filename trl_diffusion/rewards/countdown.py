@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from .utils import column_values, completion_text, extract_answer, last_boxed
+from .utils import extract_answer, last_boxed, score_rows
 
 COUNTDOWN_CORRECT = 1.0
 COUNTDOWN_WELL_FORMED = 0.1  # d1's `format_score`: an arithmetic answer that is wrong
@@ -158,14 +158,7 @@ def countdown_reward(
     [1.0, 0.1, 0.0]
     ```
     """
-    numbers = column_values(numbers, len(completions))
-    target = column_values(target, len(completions))
-    return [
-        None
-        if row_numbers is None or row_target is None
-        else score_countdown(completion_text(c), row_numbers, row_target)
-        for c, row_numbers, row_target in zip(completions, numbers, target, strict=True)
-    ]
+    return score_rows(completions, score_countdown, numbers, target)
 
 
 def countdown_accuracy(

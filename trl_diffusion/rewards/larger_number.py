@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .utils import completion_text
+from .utils import score_rows
 
 
 def larger_number_reward(completions: list, answer: list[str] | None = None, **kwargs) -> list[float | None]:
@@ -19,9 +19,4 @@ def larger_number_reward(completions: list, answer: list[str] | None = None, **k
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without an answer.
     """
-    if answer is None:
-        return [None] * len(completions)
-    return [
-        None if gold is None else float(completion_text(completion).strip() == str(gold))
-        for completion, gold in zip(completions, answer)
-    ]
+    return score_rows(completions, lambda text, gold: float(text.strip() == str(gold)), answer)

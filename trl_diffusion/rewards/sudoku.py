@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .utils import column_values, completion_text, extract_answer
+from .utils import extract_answer, score_rows
 
 
 def parse_grid(text: str, num_cells: int) -> str | None:
@@ -77,14 +77,7 @@ def sudoku_reward(
     [1.0, 0.8, 0.0]
     ```
     """
-    puzzle = column_values(puzzle, len(completions))
-    solution = column_values(solution, len(completions))
-    return [
-        None
-        if row_puzzle is None or row_solution is None
-        else score_sudoku(completion_text(c), row_puzzle, row_solution)
-        for c, row_puzzle, row_solution in zip(completions, puzzle, solution, strict=True)
-    ]
+    return score_rows(completions, score_sudoku, puzzle, solution)
 
 
 def sudoku_solved(
@@ -105,11 +98,9 @@ def sudoku_solved(
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without puzzle or solution.
     """
-    puzzle = column_values(puzzle, len(completions))
-    solution = column_values(solution, len(completions))
-    return [
-        None
-        if row_puzzle is None or row_solution is None
-        else float(parse_grid(completion_text(c), len(row_solution)) == row_solution)
-        for c, row_puzzle, row_solution in zip(completions, puzzle, solution, strict=True)
-    ]
+    return score_rows(completions, _solved, puzzle, solution)
+
+
+def _solved(text: str, puzzle: str, solution: str) -> float:
+    """1.0 when the grid in `text` is `solution`, else 0.0 (the puzzle only has to be present)."""
+    return float(parse_grid(text, len(solution)) == solution)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # The layout every task prompt asks for (d1's): reasoning first, then the final answer.
@@ -73,3 +73,15 @@ def column_values(column: Sequence[Any] | None, length: int) -> Sequence[Any]:
     columns, and then applies to no row.
     """
     return [None] * length if column is None else column
+
+
+def score_rows(
+    completions: Sequence[Any], score: Callable[..., float], *columns: Sequence[Any] | None
+) -> list[float | None]:
+    """`score(text, *values)` per completion, with the row's values of the dataset `columns` (see
+    [`column_values`]); `None` for a row that lacks any of them (the reward does not apply to it)."""
+    columns = [column_values(column, len(completions)) for column in columns]
+    return [
+        None if any(value is None for value in values) else score(completion_text(completion), *values)
+        for completion, *values in zip(completions, *columns, strict=True)
+    ]

@@ -1,0 +1,132 @@
+"""Pieces the trainer tests share: tiny CPU configs, a toy reward, the "say i" prompts, LoRA settings, rollout batches.
+
+Fixtures (the tiny models, their saved checkpoint) live in `conftest.py`; these are plain functions and constants.
+"""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_diffusion.models import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
+
+# A short, quiet, reproducible CPU run: every step logged, nothing saved or reported, float32, seed 0.
+CPU_RUN = dict(
+    logging_steps=1,
+    save_strategy="no",
+    gradient_checkpointing=False,
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    disable_tqdm=True,
+    seed=0,
+)
+# Rollouts of a GRPO-family trainer: one prompt x 4 completions per micro-batch, an 8-token canvas in 2 blocks of 4
+# tokens, 4 denoising steps; two optimiser steps at a learning rate large enough to move a tiny model.
+TINY_ROLLOUTS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    block_length=4,
+    diffusion_steps=4,
+    max_steps=2,
+    learning_rate=1e-2,
+)
+
+
+def tiny_config(config_class, output_dir, **settings):
+    """A `config_class` for a [`CPU_RUN`] in `output_dir`; `settings` add to it or override it."""
+    return config_class(output_dir=str(output_dir), **{**CPU_RUN, **settings})
+
+
+def tiny_grpo_config(config_class, output_dir, **settings):
+    """A GRPO-family `config_class` for a [`CPU_RUN`] with [`TINY_ROLLOUTS`]; `settings` add to or override both."""
+    return tiny_config(config_class, output_dir, **{**TINY_ROLLOUTS, **settings})
+
+
+def save_checkpoint(model, tokenizer, directory) -> str:
+    """Saves `model` and `tokenizer` to `directory` like a published checkpoint (trainers load it by path)."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def completion_texts(completions) -> list[str]:
+    """The text of each completion, standard (a string) or conversational (one assistant message)."""
+    return [c if isinstance(c, str) else c[0]["content"] for c in completions]
+
+
+def distinct_chars(completions, **kwargs):
+    """A toy reward with variance on random tiny-model output: the number of distinct characters."""
+    return [float(len(set(text))) for text in completion_texts(completions)]
+
+
+def say_prompts(num_prompts: int, conversational: bool = True) -> list:
+    """Prompts "say 0", "say 1", ...: as strings, or each as one user message."""
+    texts = [f"say {i}" for i in range(num_prompts)]
+    return [[{"role": "user", "content": text}] for text in texts] if conversational else texts
+
+
+def say_dataset(num_prompts: int = 8, conversational: bool = True) -> Dataset:
+    """A `prompt` column of [`say_prompts`]."""
+    return Dataset.from_dict({"prompt": say_prompts(num_prompts, conversational)})
+
+
+def lora_config() -> LoraConfig:
+    """A rank-4 LoRA on LLaDA's attention and MLP projections (the output head excluded)."""
+    return LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=LLADA_LORA_TARGET_MODULES,
+        exclude_modules=LLADA_LORA_EXCLUDE_MODULES,
+    )
+
+
+def tiny_trainer(trainer_class, model, args, *, peft=False, reward_funcs=distinct_chars, **kwargs):
+    """A GRPO-family `trainer_class` on `model` (a path or a model) rewarded by `reward_funcs`; trains on
+    `train_dataset` if given, else on the 8 conversational [`say_prompts`]; LoRA ([`lora_config`]) with `peft`."""
+    kwargs.setdefault("train_dataset", say_dataset())
+    return trainer_class(
+        model=model, reward_funcs=reward_funcs, args=args, peft_config=lora_config() if peft else None, **kwargs
+    )
+
+
+def rollout_batch(trainer, num_prompts: int = 2) -> dict:
+    """One rollout batch built the way training builds it (the trainer's sampler, rewards, advantages and stored
+    terms) from `num_prompts` conversational [`say_prompts`], each repeated `num_generations` times."""
+    trainer.model.train()
+    rows = [{"prompt": prompt} for prompt in say_prompts(num_prompts) for _ in range(trainer.num_generations)]
+    inputs = trainer._generate_and_score_completions(rows)
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
+    return inputs
+
+
+def select_rows(batch: dict, rows) -> dict:
+    """The sub-batch of `rows` (indices, possibly repeated, or a slice): batch-first tensors indexed, the rest (such
+    as the scalar `mc_iteration`) kept."""
+    size = batch["completion_canvas"].shape[0]
+    return {
+        key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size else value
+        for key, value in batch.items()
+    }
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    """A copy of every gradient the last backward left (parameters without one are left out)."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def cpu_argv(output_dir) -> list[str]:
+    """The command line of a CPU run in `output_dir`, for `TrlParser`."""
+    return ["--output_dir", str(output_dir), "--use_cpu", "true", "--bf16", "false"]
+
+
+def cli_args(values: dict) -> list[str]:
+    """`--name value` for each of `values`, booleans written `true` / `false`."""
+    return [
+        arg
+        for name, value in values.items()
+        for arg in (f"--{name}", str(value).lower() if isinstance(value, bool) else str(value))
+    ]
