@@ -27,6 +27,8 @@ from trl_diffusion.tasks.countdown import countdown_key
 
 PROCEDURAL = ("countdown", "countdown4", "sudoku", "sudoku9")
 HUB = ("gsm8k", "math", "mbpp", "humaneval")
+# The demo task: a short prompt of its own instead of d1's layout instruction.
+DEMO = ("larger_number",)
 
 
 def answered(text):
@@ -51,7 +53,7 @@ def all_4x4_grids():
 
 
 def test_registry_contract():
-    assert set(TASKS) == set(PROCEDURAL + HUB)
+    assert set(TASKS) == set(PROCEDURAL + HUB + DEMO)
     assert trl_diffusion.get_task is get_task and trl_diffusion.TASKS is TASKS and trl_diffusion.Task is Task
     for name, task in TASKS.items():
         assert isinstance(task, Task) and task.name == name and get_task(name) is task
@@ -338,3 +340,18 @@ def test_task_metrics_compute_and_combine():
     gsm8k_metrics = evaluate.combine([get_task("gsm8k").metric(), FormatRate()])
     results = gsm8k_metrics.compute(predictions=[answered("72"), "72"], references=["72", "72"])
     assert results == {"accuracy": 1.0, "format_rate": 0.5}
+
+
+def test_larger_number_splits_are_disjoint_reproducible_and_complete():
+    task = get_task("larger_number")
+    train, test = task.load("train"), task.load("test")
+    train_pairs, test_pairs = {tuple(row) for row in train["numbers"]}, {tuple(row) for row in test["numbers"]}
+    assert not train_pairs & test_pairs
+    assert len(train_pairs) + len(test_pairs) == 90 * 89 == len(train) + len(test)
+    assert 600 < len(test) < 1000
+    assert task.load("test", seed=3)["numbers"] == task.load("test", seed=3)["numbers"] != test["numbers"]
+    row = test[0]
+    assert row["answer"] == str(max(row["numbers"])) and row["prompt"][0]["role"] == "user"
+    assert f"{row['numbers'][0]} and {row['numbers'][1]}" in row["prompt"][0]["content"]
+    with pytest.raises(ValueError, match="pairs"):
+        task.load("test", num_examples=5000)
