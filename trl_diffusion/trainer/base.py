@@ -31,7 +31,14 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
-from ..generation import REMASKING_STRATEGIES, SCHEDULES, DiffusionGenerationConfig, cut_at_terminator, generate
+from ..generation import (
+    CACHE_MODES,
+    REMASKING_STRATEGIES,
+    SCHEDULES,
+    DiffusionGenerationConfig,
+    cut_at_terminator,
+    generate,
+)
 from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS, derive_seed
 from ..models.adapter import DiffusionAdapter
 
@@ -72,6 +79,9 @@ class DiffusionGRPOConfig(GRPOConfig):
             canvas is filled with EOS.
         defer_terminators (`bool`, *optional*, defaults to `False`):
             Commit terminator proposals last (LLaDA 1.5's `confidence_eos_eot_inf`).
+        generation_cache (`str`, *optional*, defaults to `"none"`):
+            Key/value cache of the rollout sampler (`prefix` or `dual`, Fast-dLLM's caches): faster, approximate
+            (cached keys and values are refreshed once per block).
         max_prompt_length (`int`, *optional*, defaults to `512`):
             Prompts longer than this are truncated from the left (the end of a prompt is what the completion
             follows). `None` keeps them whole.
@@ -127,6 +137,14 @@ class DiffusionGRPOConfig(GRPOConfig):
     )
     defer_terminators: bool = field(
         default=False, metadata={"help": "Commit terminator proposals last (LLaDA 1.5's confidence_eos_eot_inf)."}
+    )
+    generation_cache: str = field(
+        default="none",
+        metadata={
+            "help": "Key/value cache of the rollout sampler: none, prefix or dual (Fast-dLLM; approximate, faster). Off "
+            "by default until its effect on learning is measured (see docs/benchmarks.md).",
+            "choices": list(CACHE_MODES),
+        },
     )
     max_prompt_length: int | None = field(
         default=512,
@@ -214,6 +232,7 @@ class DiffusionGRPOConfig(GRPOConfig):
             threshold=self.threshold,
             early_stop=self.early_stop,
             defer_terminators=self.defer_terminators,
+            cache=self.generation_cache,
         )
 
 
