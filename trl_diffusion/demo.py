@@ -1,116 +1,200 @@
-"""The README's main job: the foundation at work on a tiny native LLaDA, end to end on a CPU.
+"""The README's main job: a real BGPO training run on a CPU, in minutes, that visibly works.
 
-It builds a tiny LLaDA and its tokenizer, saves them and loads them back through `AutoModelForCausalLM` (no
-`trust_remote_code`), denoises a left-padded batch of chat prompts with LLaDA's fixed schedule, checks that the
-batch decodes exactly as each prompt alone, samples at a temperature from a seed, and scores every completion with
-the stratified Monte Carlo ELBO. The weights are random, so the text is noise: this shows the machinery, not
-learning.
+1. Build a tiny native LLaDA and a character-level tokenizer (no Hub).
+2. SFT it briefly with [`DiffusionSFTTrainer`] on the built-in `larger_number` task ("Larger of 47 and 82?"). The
+   SFT answers are the larger number only `--sft_correct_fraction` of the time (default 40%) and the first number
+   otherwise: the model learns the output format and a tempting wrong habit that is right half of the time, so
+   greedy decoding rarely beats answering the first number.
+3. Measure held-out accuracy (greedy diffusion decoding on test pairs, disjoint from training).
+4. Train with [`BGPOTrainer`] against the verifiable reward (1 for exactly the larger number).
+5. Measure held-out accuracy again, print the before/after table, write the reward curve as a PNG, save the model
+   (loadable with `from_pretrained`), reload it, check the reloaded model scores what was printed, and print the
+   command that pushes it to the Hub.
 
-Run it with `python -m trl_diffusion.demo [--output_dir DIR]`.
+Run it with `trl-diffusion demo` or `python -m trl_diffusion.demo [--output_dir DIR]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
-from .likelihood import elbo_terms
-from .masking import completion_region, new_mask_seeds, sample_masks
-from .models import DiffusionAdapter, LLaDAModelLM, build_tiny_llada, build_tiny_tokenizer
+from .evaluation import evaluate_task
+from .generation import DiffusionGenerationConfig
+from .models import build_tiny_llada, build_tiny_tokenizer
+from .tasks import get_task
+from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
 
-PROMPTS = (
-    "What is 7 + 5?",
-    "Name a prime number larger than 10.",
-    "Using 3, 5 and 8 once each, make 14.",
-    "Hi!",
-)
+TASK = "larger_number"
 
 
-def build_and_reload(output_dir: Path):
-    """Builds the tiny LLaDA, saves it with its tokenizer, and loads both back as a user would a real checkpoint."""
-    tokenizer = build_tiny_tokenizer()
-    build_tiny_llada(tokenizer, seed=0).save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    model = AutoModelForCausalLM.from_pretrained(output_dir).eval()
-    if not isinstance(model, LLaDAModelLM):
-        raise RuntimeError(f"AutoModelForCausalLM loaded {type(model).__name__}, not the native LLaDAModelLM.")
-    return model, AutoTokenizer.from_pretrained(output_dir)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output_dir", default="outputs/demo", help="Where the tiny model and tokenizer are saved.")
-    args = parser.parse_args(argv)
-    output_dir = Path(args.output_dir) / "tiny-llada"
-
-    model, tokenizer = build_and_reload(output_dir)
-    parameters = sum(p.numel() for p in model.parameters())
-    print(f"Saved and reloaded {type(model).__name__} ({parameters:,} parameters) from {output_dir}")
-    adapter = DiffusionAdapter.from_model(model, tokenizer)
-    print(
-        f"Adapter: mask id {adapter.mask_token_id}, terminators {list(adapter.terminator_ids)}, "
-        f"shifted logits {adapter.shift_logits}, context {adapter.context_length}\n"
-    )
-
-    conversations = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
-    batch = tokenizer.apply_chat_template(
-        conversations, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
-    )
-    greedy = DiffusionGenerationConfig(gen_length=64, block_length=16, steps=32)
-
-    start = time.perf_counter()
-    output = generate(
-        model,
-        batch["input_ids"],
-        batch["attention_mask"],
-        generation_config=greedy,
-        adapter=adapter,
-        progress_bar=True,
-    )
-    elapsed = time.perf_counter() - start
-    alone = [
-        generate(model, row[mask.bool()][None], generation_config=greedy, adapter=adapter).completion_ids[0]
-        for row, mask in zip(batch["input_ids"], batch["attention_mask"])
+def sft_dataset(task_rows: Dataset, correct_fraction: float, seed: int) -> Dataset:
+    """Prompt/completion pairs whose completion is the larger number with probability `correct_fraction`, and the
+    first number otherwise (which is also right when the first number is the larger)."""
+    rng = random.Random(seed)
+    completions = [
+        [{"role": "assistant", "content": answer if rng.random() < correct_fraction else str(numbers[0])}]
+        for numbers, answer in zip(task_rows["numbers"], task_rows["answer"])
     ]
-    same_as_alone = all(torch.equal(a, b) for a, b in zip(alone, output.completion_ids))
+    return Dataset.from_dict({"prompt": task_rows["prompt"], "completion": completions})
 
-    seeds = new_mask_seeds(len(PROMPTS), torch.Generator().manual_seed(0))
-    region = completion_region(output.completion_ids, adapter.terminator_ids, "answer")
-    plan = sample_masks("stratified", region, seeds, iteration=0, num_mc_samples=8)
-    with torch.no_grad():
-        elbo = elbo_terms(model, adapter, batch["input_ids"], batch["attention_mask"], output.completion_ids, plan)
-    elbo = elbo.mean(-1)
 
+def reward_curve(log_history: list[dict], path: Path) -> None:
+    """Plots the mean training reward (the fraction of rollouts that were right) against the optimiser step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(entry["step"], entry["reward"]) for entry in log_history if "reward" in entry]
+    steps, rewards = zip(*points)
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
+    axis.plot(steps, rewards, color="tab:blue", linewidth=1.2)
+    axis.set_xlabel("BGPO optimiser step")
+    axis.set_ylabel("mean reward of the rollouts")
+    axis.set_ylim(0, 1)
+    axis.set_title("trl-diffusion demo: BGPO on larger_number (tiny LLaDA, CPU)")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", default="outputs/demo", help="Where models, logs and the plot are written.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the training runs.")
+    parser.add_argument("--sft_steps", type=int, default=1500, help="Optimiser steps of the SFT stage.")
+    parser.add_argument("--sft_correct_fraction", type=float, default=0.4, help="Share of right SFT answers.")
+    parser.add_argument("--rl_steps", type=int, default=300, help="BGPO optimiser steps.")
+    parser.add_argument("--rl_learning_rate", type=float, default=5e-4, help="BGPO learning rate.")
+    parser.add_argument("--rl_batch_size", type=int, default=64, help="Rollouts per BGPO step (8 per prompt).")
+    parser.add_argument("--num_eval_examples", type=int, default=400, help="Held-out prompts (test split).")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    task = get_task(TASK)
+    start = time.perf_counter()
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_llada(tokenizer, d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=256, seed=args.seed)
+    base_dir = output_dir / "tiny-llada"
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    print(f"[1/5] Built a tiny LLaDA ({sum(p.numel() for p in model.parameters()):,} parameters): {base_dir}")
+
+    common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": args.seed, "save_strategy": "no"}
+    sft_args = DiffusionSFTConfig(
+        output_dir=str(output_dir / "sft"),
+        max_steps=args.sft_steps,
+        per_device_train_batch_size=64,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        completion_length=task.max_completion_length,
+        logging_steps=100,
+        gradient_checkpointing=False,
+        **common,
+    )
+    train_rows = task.load("train", seed=args.seed)
+    sft = DiffusionSFTTrainer(
+        model=str(base_dir),
+        args=sft_args,
+        train_dataset=sft_dataset(train_rows, args.sft_correct_fraction, args.seed),
+        processing_class=tokenizer,
+    )
+    sft.train()
+    sft_dir = output_dir / "sft-model"
+    sft.save_model(str(sft_dir))
+    print(f"[2/5] SFT: {args.sft_steps} steps, {args.sft_correct_fraction:.0%} of the answers right: {sft_dir}")
+
+    greedy = DiffusionGenerationConfig(
+        gen_length=task.max_completion_length, block_length=task.block_length, steps=task.max_completion_length
+    )
+
+    def held_out_accuracy(trained_model) -> float:
+        result = evaluate_task(
+            trained_model,
+            tokenizer,
+            task,
+            num_examples=args.num_eval_examples,
+            generation_config=greedy,
+            batch_size=200,
+            seed=args.seed,
+        )
+        return result["accuracy"]
+
+    before = held_out_accuracy(sft.model)
+    print(f"[3/5] Held-out accuracy after SFT (greedy, {args.num_eval_examples} test pairs): {before:.1%}")
+
+    rl_args = BGPOConfig(
+        output_dir=str(output_dir / "bgpo"),
+        max_steps=args.rl_steps,
+        per_device_train_batch_size=args.rl_batch_size,
+        num_generations=8,
+        num_mc_samples=4,
+        max_completion_length=task.max_completion_length,
+        block_length=task.block_length,
+        diffusion_steps=task.max_completion_length,
+        temperature=1.0,
+        learning_rate=args.rl_learning_rate,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        max_prompt_length=64,
+        logging_steps=5,
+        gradient_checkpointing=False,
+        **common,
+    )
+    bgpo = BGPOTrainer(
+        model=str(sft_dir),
+        reward_funcs=list(task.reward_funcs),
+        args=rl_args,
+        train_dataset=train_rows,
+        processing_class=tokenizer,
+    )
+    bgpo.train()
+    final_dir = output_dir / "model"
+    bgpo.save_model(str(final_dir))
+    after = held_out_accuracy(bgpo.model)
+    print(f"[4/5] BGPO: {args.rl_steps} steps, {rl_args.num_mc_samples} Monte Carlo samples each: {final_dir}")
+
+    plot = output_dir / "reward_curve.png"
+    reward_curve(bgpo.state.log_history, plot)
+    reloaded = AutoModelForCausalLM.from_pretrained(final_dir)
+    reloaded_accuracy = held_out_accuracy(reloaded)
+    AutoTokenizer.from_pretrained(final_dir)  # the saved directory is complete: tokenizer included
+    elapsed = time.perf_counter() - start
+
+    rows = [("after SFT", before), ("after SFT + BGPO", after), ("reloaded from disk", reloaded_accuracy)]
+    print(f"\n[5/5] Held-out accuracy on {args.num_eval_examples} test pairs (greedy decoding):")
+    print(f"  {'model':<22}{'accuracy':>10}")
+    for name, value in rows:
+        print(f"  {name:<22}{value:>10.1%}")
+    print(f"  improvement: {100 * (after - before):+.1f} points, in {elapsed / 60:.1f} minutes")
     print(
-        f"\nGreedy, fixed schedule: gen_length {greedy.gen_length}, block {greedy.block_length}, {greedy.steps} steps"
+        f"\nReward curve: {plot}\nModel: {final_dir} (AutoModelForCausalLM.from_pretrained, after `import trl_diffusion`)"
     )
-    print(f"{'prompt':<40} {'completion (cut after the first terminator)':<46} {'ELBO':>8}")
-    for prompt, completion, value in zip(
-        PROMPTS, cut_at_terminator(output.completion_ids, adapter.terminator_ids), elbo
-    ):
-        text = tokenizer.decode(completion, skip_special_tokens=False)
-        print(f"{prompt:<40} {text[:44]!r:<46} {value.item():8.1f}")
-    print(
-        f"\n{output.num_forward_passes} forward passes, {output.tokens_per_forward:.2f} tokens per forward, "
-        f"{elapsed:.2f} s; the padded batch decodes exactly like each prompt alone: {same_as_alone}"
-    )
+    print(f"Push it to the Hub: hf upload <your-username>/tiny-llada-bgpo-larger-number {final_dir}")
 
-    sampled_config = DiffusionGenerationConfig(gen_length=64, block_length=16, steps=32, temperature=0.7, seed=1234)
-    first = generate(
-        model, batch["input_ids"], batch["attention_mask"], generation_config=sampled_config, adapter=adapter
-    )
-    again = generate(
-        model, batch["input_ids"], batch["attention_mask"], generation_config=sampled_config, adapter=adapter
-    )
-    reproducible = torch.equal(first.completion_ids, again.completion_ids)
-    print(f"Temperature 0.7 with seed 1234, twice: identical samples: {reproducible}")
-    if not (same_as_alone and reproducible):
-        raise SystemExit("The sampler broke one of its guarantees; see the lines above.")
+    summary = {
+        "task": TASK,
+        "num_eval_examples": args.num_eval_examples,
+        "accuracy_after_sft": before,
+        "accuracy_after_bgpo": after,
+        "accuracy_reloaded": reloaded_accuracy,
+        "minutes": elapsed / 60,
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if abs(reloaded_accuracy - after) > 1e-9:
+        raise SystemExit("The reloaded model does not score what the trained one did; see the table above.")
+    return summary
 
 
 if __name__ == "__main__":
