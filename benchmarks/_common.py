@@ -1,0 +1,329 @@
+"""What the benchmark scripts share: model sizes, a locally built LLaDA (no Hub), trainer construction, the machine
+description stored with every result, tables and JSON output.
+
+The scripts import this module by name (`python benchmarks/<script>.py` puts `benchmarks/` on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import re
+import subprocess
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+
+from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, build_tiny_tokenizer
+from trl_diffusion.models.tiny import reinitialise, terminator_ids
+from trl_diffusion.tasks import get_task
+from trl_diffusion.trainer import (
+    BGPOConfig,
+    BGPOTrainer,
+    DiffuGRPOConfig,
+    DiffuGRPOTrainer,
+    ESPOConfig,
+    ESPOTrainer,
+    LFPOConfig,
+    LFPOTrainer,
+    VRPOConfig,
+    VRPOTrainer,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+NUMBER = re.compile(r"[x0-9.,/%+-]+")
+
+TRAINERS = {
+    "d1": (DiffuGRPOConfig, DiffuGRPOTrainer),
+    "vrpo": (VRPOConfig, VRPOTrainer),
+    "bgpo": (BGPOConfig, BGPOTrainer),
+    "espo": (ESPOConfig, ESPOTrainer),
+    "lfpo": (LFPOConfig, LFPOTrainer),
+}
+LABELS = {"d1": "DiffuGRPO (d1)", "vrpo": "VRPO", "bgpo": "BGPO", "espo": "ESPO", "lfpo": "LFPO"}
+COLORS = {"d1": "tab:gray", "vrpo": "tab:red", "bgpo": "tab:blue", "espo": "tab:orange", "lfpo": "tab:green"}
+LINE_STYLES = {"vrpo": "o-", "bgpo": "s-", "espo": "^-", "lfpo": "D--"}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A native LLaDA (published field names) with random weights."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_hidden_size: int
+    vocab_size: int | None = None  # None: the tiny tokenizer's vocabulary (108 tokens)
+
+
+@dataclass(frozen=True)
+class RolloutSize:
+    """The shape of a rollout: completions per micro-batch, prompt (tokens, truncated from the left) and canvas."""
+
+    rows: int
+    num_generations: int
+    max_prompt_length: int
+    max_completion_length: int
+    block_length: int
+    diffusion_steps: int
+
+
+MODEL_SIZES = {
+    "smoke": ModelSize(d_model=32, n_layers=1, n_heads=2, mlp_hidden_size=64),
+    "cpu": ModelSize(d_model=128, n_layers=4, n_heads=4, mlp_hidden_size=384),
+    # ~318M parameters: 24 blocks of 10.5M (attention 4 x 1024^2, SwiGLU 3 x 1024 x 2048) and a 32k-token embedding
+    # and untied head (2 x 32.8M).
+    "gpu": ModelSize(d_model=1024, n_layers=24, n_heads=16, mlp_hidden_size=2048, vocab_size=32000),
+}
+
+
+def build_model_dir(path: Path, size: ModelSize, seed: int = 0) -> Path:
+    """Builds a LLaDA of `size` with random weights and the character-level tokenizer, and saves both to `path` like a
+    checkpoint (trainers load it, and their reference or old-policy copies, by path). With a vocabulary larger than the
+    tokenizer's, the extra ids decode to nothing: rewards see shorter text, the model computes at full width."""
+    tokenizer = build_tiny_tokenizer()
+    vocab_size = max(len(tokenizer), size.vocab_size or 0)
+    config = LLaDAConfig(
+        d_model=size.d_model,
+        n_heads=size.n_heads,
+        n_kv_heads=size.n_heads,
+        n_layers=size.n_layers,
+        mlp_hidden_size=size.mlp_hidden_size,
+        max_sequence_length=4096,
+        vocab_size=vocab_size,
+        embedding_size=vocab_size,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=terminator_ids(tokenizer),
+        mask_token_id=tokenizer.mask_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        attn_implementation="sdpa",
+    )
+    model = LLaDAModelLM(config)
+    reinitialise(model, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def model_description(model_dir: Path) -> dict:
+    """Sizes and parameter count of a saved LLaDA, from its config (no weights loaded)."""
+    config = LLaDAConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = LLaDAModelLM(config)
+    return {
+        "d_model": config.d_model,
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+        "mlp_hidden_size": config.mlp_hidden_size,
+        "vocab_size": config.vocab_size,
+        "parameters": sum(parameter.numel() for parameter in model.parameters()),
+    }
+
+
+def countdown_dataset(num_examples: int, seed: int = 0):
+    """Procedural Countdown prompts (no download) and the task's training rewards."""
+    task = get_task("countdown")
+    return task.load(split="train", num_examples=num_examples, seed=seed), list(task.reward_funcs)
+
+
+def make_trainer(name: str, model_dir: Path, rollout: RolloutSize, device: str, output_dir: Path, **overrides):
+    """Trainer `name` at its own defaults, with the rollout shape, device and bookkeeping settings of a benchmark;
+    `overrides` are config fields (the swept parameter, say)."""
+    config_class, trainer_class = TRAINERS[name]
+    settings = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=rollout.rows,
+        num_generations=rollout.num_generations,
+        max_prompt_length=rollout.max_prompt_length,
+        max_completion_length=rollout.max_completion_length,
+        block_length=rollout.block_length,
+        diffusion_steps=rollout.diffusion_steps,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(overrides)
+    dataset, reward_funcs = countdown_dataset(64)
+    return trainer_class(
+        model=str(model_dir), reward_funcs=reward_funcs, args=config_class(**settings), train_dataset=dataset
+    )
+
+
+def resolve_device(requested: str) -> str:
+    """`cpu`, or `cuda` if a GPU is present (raises SystemExit with a message otherwise)."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible to torch on this machine.")
+    return requested
+
+
+def clock(device: str) -> float:
+    """The time base of the benchmarks' phase timings, in seconds. On a GPU: wall time, after synchronising. On the
+    CPU: this process's CPU time. With one torch thread that is the work done by the step, which other processes'
+    load on a shared machine changes far less than wall time (that stretches by whatever share of the cores they
+    take); it still slows each instruction somewhat, so compare figures from one run."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+CLOCK_NAMES = {"cuda": "wall time (CUDA synchronised)", "cpu": "process CPU time (time.process_time)"}
+
+
+def set_threads(threads: int | None) -> None:
+    """Intra-op threads of this process (None keeps torch's default)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def machine_info(device: str, threads: int | None = None) -> dict:
+    """Where a result came from: CPU model and count, the torch threads of the measured processes (`threads`, else
+    this process's), GPU name, library versions."""
+    cpu_model = platform.processor() or "unknown"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        cpu_model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    info = {
+        "cpu_model": cpu_model,
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": threads if threads is not None else torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return info
+
+
+# Imported once by the fork server, so that a fresh process per measurement starts in a fraction of a second.
+PRELOADED_MODULES = ["torch", "transformers", "trl", "trl_diffusion.trainer", "trl_diffusion.tasks"]
+
+
+def fresh_process_context(device: str):
+    """The multiprocessing context of the benchmarks' fresh processes.
+
+    On the CPU: processes forked from a fork server that has imported the libraries but never run a model, so that
+    nothing (allocator caches, memory high-water marks, warm kernels) carries over between jobs and each starts in a
+    fraction of a second. With CUDA: `spawn`, a new interpreter per job, because a process forked after anything has
+    initialised the CUDA driver (some libraries probe it at import) cannot use the GPU.
+    """
+    if device == "cuda":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED_MODULES)
+    return context
+
+
+def _fresh_process_main(function, job: dict, connection) -> None:
+    quiet()
+    try:
+        connection.send(("ok", function(job)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        connection.send(("error", traceback.format_exc()))
+    finally:
+        connection.close()
+
+
+def run_in_fresh_process(context, function, job: dict):
+    """Runs `function(job)` in a new process of `context` ([`fresh_process_context`]) and returns its result; an
+    exception in the process is raised here with its traceback."""
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_fresh_process_main, args=(function, job, sender))
+    process.start()
+    sender.close()
+    try:
+        status, value = receiver.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"{function.__name__} died with exit code {process.exitcode} (out of memory?)") from None
+    process.join()
+    if status == "error":
+        raise RuntimeError(f"{function.__name__} failed in its process:\n{value}")
+    return value
+
+
+def quiet() -> None:
+    """Silences the deprecation warnings and progress bars that trainer construction prints in every process."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table (prints readably and pastes into the docs): numbers right-aligned, text left-aligned."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(header), *(len(row[i]) for row in cells)) for i, header in enumerate(headers)]
+    numeric = [all(NUMBER.fullmatch(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row, align=True):
+        padded = [
+            cell.rjust(width) if align and is_number else cell.ljust(width)
+            for cell, width, is_number in zip(row, widths, numeric)
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    separator = (
+        "|"
+        + "|".join("-" * (width + 1) + (":" if is_number else "-") for width, is_number in zip(widths, numeric))
+        + "|"
+    )
+    return "\n".join([line(headers, align=False), separator, *(line(row) for row in cells)])
+
+
+def mib(num_bytes: float) -> float:
+    return num_bytes / 2**20
+
+
+def benchmark_parser(description: str, name: str) -> argparse.ArgumentParser:
+    """An argument parser with what every benchmark takes: device, smoke size, model and output locations, threads."""
+    parser = argparse.ArgumentParser(description=description, epilog="See benchmarks/README.md.")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, larger model.")
+    parser.add_argument("--smoke", action="store_true", help="Smallest sizes (seconds): checks that the script runs.")
+    parser.add_argument("--model-dir", type=Path, help="Saved model to use; built there first if it has none.")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="Where the JSON and PNG go.")
+    parser.add_argument("--name", default=name, help="Stem of the output files.")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process on the CPU (default 1).")
+    return parser
+
+
+def select_preset(args: argparse.Namespace, presets: dict) -> tuple[str, str, dict]:
+    """Silences library chatter and picks `(device, preset name, preset)`: smoke, gpu or cpu."""
+    quiet()
+    device = resolve_device(args.device)
+    preset_name = "smoke" if args.smoke else ("gpu" if device == "cuda" else "cpu")
+    return device, preset_name, presets[preset_name]
+
+
+def save_results(args: argparse.Namespace, payload: dict, plot, *plot_args) -> dict:
+    """Writes `<name>.json` and, through `plot(*plot_args, path)`, `<name>.png` into the output directory."""
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.output_dir / f"{args.name}.json", payload)
+    plot(*plot_args, args.output_dir / f"{args.name}.png")
+    return payload

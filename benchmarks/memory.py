@@ -1,0 +1,441 @@
+"""Memory of one training step against the number of Monte Carlo samples: VRPO, BGPO, ESPO and LFPO.
+
+Swept parameter: `num_mc_samples` (VRPO, BGPO; ESPO: coupled pairs, two forward passes each) and `lfpo_num_states`
+K (LFPO, with `lfpo_block_size` fixed to the micro-batch rows, so every block holds the same number of states). Every
+point runs ONE `training_step` (forward and backward; no optimiser step, no generation) on the same pre-generated
+rollout batch, fed through a patched `_prepare_inputs`, and records
+
+- the peak bytes of tensors saved for backward (`trl_diffusion.utils.SavedTensorsMeter`: exact, machine-independent);
+- the peak process memory of the step above the memory held just before it: on the CPU the resident set's high-water
+  mark (`VmHWM`, reset to the current RSS right before the step through `/proc/self/clear_refs`, after `gc` and
+  `malloc_trim`; Linux), on a GPU `torch.cuda.max_memory_allocated` above `memory_allocated` (peak stats reset
+  before). On the CPU glibc's mmap threshold is pinned at 128 KiB (`--malloc-defaults` leaves it dynamic), so that
+  the figure follows the live tensors rather than heap fragmentation (see `_fix_mmap_threshold`).
+
+Each point runs in a fresh process (on the CPU forked from a multiprocessing fork server that has imported the
+libraries but never run a model; with CUDA spawned), so no allocator cache or high-water mark carries over from
+another point. `getrusage`'s
+`ru_maxrss` cannot be reset, so a peak during trainer construction would hide the step's; hence the `clear_refs`
+reset. The process figure includes the parameter gradients, allocated during the step (the same at every point).
+
+Settings fixed for the sweep: `beta=0`, `num_iterations=1` (on-policy: no old or reference passes, neither changes
+the step's activations) and `gradient_checkpointing=False` (measure the activations themselves). Advantages are fixed
+to alternating +1 / -1, so that every loss term carries gradient.
+
+    python benchmarks/memory.py                  # CPU, small model (3 minutes on 2 cores)
+    python benchmarks/memory.py --device cuda    # one GPU, ~318M-parameter model
+    python benchmarks/memory.py --smoke          # seconds: CI's check that the script runs
+
+Writes `<output-dir>/<name>.json` and `<name>.png` (default `benchmarks/results/memory.*`) and prints the table and
+the acceptance checks (BGPO flat within 10% from the smallest to the largest n; VRPO linear in n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from _common import (
+    CLOCK_NAMES,
+    COLORS,
+    LABELS,
+    LINE_STYLES,
+    MODEL_SIZES,
+    RolloutSize,
+    benchmark_parser,
+    build_model_dir,
+    clock,
+    format_table,
+    fresh_process_context,
+    machine_info,
+    make_trainer,
+    mib,
+    model_description,
+    run_in_fresh_process,
+    save_results,
+    select_preset,
+    set_threads,
+)
+
+from trl_diffusion.utils import SavedTensorsMeter
+
+SWEPT = {"vrpo": "num_mc_samples", "bgpo": "num_mc_samples", "espo": "num_mc_samples", "lfpo": "lfpo_num_states"}
+# Acceptance thresholds of the issue: BGPO within 10% from the smallest to the largest n, VRPO linear.
+FLAT_TOLERANCE = 0.10
+LINEAR_MIN_R2 = 0.99
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: str
+    rollout: RolloutSize
+    points: tuple[int, ...]
+    # Largest n per trainer where all-graphs memory (or time) would not fit the machine.
+    max_points: dict[str, int] = field(default_factory=dict)
+
+
+PRESETS = {
+    "smoke": Preset("smoke", RolloutSize(2, 2, 16, 16, 8, 4), points=(1, 4)),
+    # ~140 MiB of activations per Monte Carlo forward pass, 25x the parameter gradients (which BGPO and LFPO hold
+    # during their second and later passes). The all-graphs objectives stop at 32 passes (VRPO 32 samples, ESPO 16
+    # pairs of two passes), ~3.5 GiB, on a shared machine.
+    "cpu": Preset(
+        "cpu", RolloutSize(8, 4, 32, 256, 32, 32), points=(1, 2, 4, 8, 16, 32, 64), max_points={"vrpo": 32, "espo": 16}
+    ),
+    # ~2-3 GiB of activations per Monte Carlo forward pass at ~318M parameters: all-graphs objectives stop at 32
+    # forwards (a point that runs out of memory anyway is recorded as such, and larger n are skipped).
+    "gpu": Preset(
+        "gpu", RolloutSize(4, 2, 64, 256, 32, 64), points=(1, 2, 4, 8, 16, 32, 64), max_points={"vrpo": 32, "espo": 16}
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------- peak memory
+
+
+def _malloc_trim() -> None:
+    """Returns freed heap memory to the OS (glibc), so that the baseline RSS holds only live memory."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _fix_mmap_threshold() -> None:
+    """Pins glibc's mmap threshold at its initial 128 KiB. By default glibc raises the threshold to the size of each
+    mmapped block it frees (up to 32 MiB): after the first backward pass has freed the activations, the next forward
+    pass takes its buffers from the heap, where fragmentation adds tens of MiB at once. Pinned, every activation
+    buffer is mapped and unmapped on its own, and the RSS follows the live tensors."""
+    m_mmap_threshold = -3
+    ctypes.CDLL(None).mallopt(m_mmap_threshold, 128 * 1024)
+
+
+def _proc_status_kib(key: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(key + ":"))
+
+
+class PeakMemory:
+    """Peak memory of this process during a region, above what it held when the region began (bytes): the resident
+    set's high-water mark on the CPU (Linux), allocated CUDA memory on a GPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.baseline_bytes = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline_bytes = torch.cuda.memory_allocated()
+        else:
+            _malloc_trim()
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # resets VmHWM to the current RSS
+            self.baseline_bytes = _proc_status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self.baseline_bytes
+        else:
+            self.peak_bytes = _proc_status_kib("VmHWM") * 1024 - self.baseline_bytes
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+def generate_batch(job: dict) -> dict:
+    """Worker: one rollout batch (sampler, rewards), saved to `job["batch_path"]`; every point trains on it."""
+    set_threads(job["threads"])
+    rollout = RolloutSize(**job["rollout"])
+    trainer = make_trainer(
+        "bgpo", Path(job["model_dir"]), rollout, job["device"], Path(job["output_dir"]), num_mc_samples=1, beta=0.0
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    dataset = trainer.train_dataset
+    rows = [dataset[index // rollout.num_generations] for index in range(rollout.rows)]
+    batch = trainer._generate_and_score_completions(rows)
+    batch["advantages"] = torch.tensor([(-1.0) ** row for row in range(rollout.rows)])
+    batch["mc_iteration"] = 0
+    batch = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    torch.save(batch, job["batch_path"])
+    return {"prompt_length": batch["prompt_ids"].shape[1], "completion_length": batch["completion_canvas"].shape[1]}
+
+
+def measure_point(job: dict) -> dict:
+    """Worker: one training step of `job["trainer"]` at `job["n"]` on the saved batch; its peak memory figures."""
+    set_threads(job["threads"])
+    if job["fix_mmap_threshold"]:
+        _fix_mmap_threshold()
+    name, n, device = job["trainer"], job["n"], job["device"]
+    rollout = RolloutSize(**job["rollout"])
+    overrides = {SWEPT[name]: n, "beta": 0.0, "num_iterations": 1, "gradient_checkpointing": False}
+    if name == "lfpo":
+        overrides["lfpo_block_size"] = rollout.rows
+    trainer = make_trainer(name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]), **overrides)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._prepare_inputs = lambda inputs: inputs  # the fixed batch, as given: no rollout
+    batch = torch.load(job["batch_path"], map_location=trainer.accelerator.device, weights_only=False)
+    with torch.no_grad():
+        batch.update(trainer._score_rollouts(batch, "train"))  # LFPO's state masks; nothing for the others
+
+    try:
+        with PeakMemory(device) as process, SavedTensorsMeter() as saved:
+            start = clock(device)
+            trainer.training_step(trainer.model, batch)
+            seconds = clock(device) - start
+    except torch.cuda.OutOfMemoryError:
+        return {"trainer": name, "n": n, "out_of_memory": True}
+    if saved.live_bytes != 0:
+        raise RuntimeError(f"{name} n={n}: {saved.live_bytes} saved bytes outlived the backward pass.")
+    return {
+        "trainer": name,
+        "n": n,
+        "saved_peak_bytes": saved.peak_bytes,
+        "process_peak_bytes": process.peak_bytes,
+        "process_baseline_bytes": process.baseline_bytes,
+        "step_seconds": round(seconds, 4),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> dict:
+    """Least-squares `y = intercept + slope * x` and its R^2."""
+    count = len(xs)
+    mean_x, mean_y = sum(xs) / count, sum(ys) / count
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
+    intercept = mean_y - slope * mean_x
+    total = sum((y - mean_y) ** 2 for y in ys)
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
+    return {"slope": slope, "intercept": intercept, "r2": 1.0 - residual / total if total > 0 else 1.0}
+
+
+def summarise(points: list[dict]) -> dict:
+    """Per trainer and metric: ratio of the largest n to the smallest, and the linear fit over n."""
+    summary = {}
+    for name in dict.fromkeys(point["trainer"] for point in points):
+        rows = sorted((point for point in points if point["trainer"] == name), key=lambda point: point["n"])
+        summary[name] = {"n_min": rows[0]["n"], "n_max": rows[-1]["n"]}
+        for metric in ("saved_peak_bytes", "process_peak_bytes"):
+            values = [row[metric] for row in rows]
+            entry = {"ratio_max_to_min": values[-1] / values[0]}
+            if len(rows) > 1:
+                entry.update(linear_fit([row["n"] for row in rows], values))
+            summary[name][metric] = entry
+    return summary
+
+
+def acceptance(summary: dict) -> dict:
+    """The issue's checks: BGPO within 10% from the smallest to the largest n, VRPO linear (R^2, growth ratio)."""
+    checks = {}
+    for metric in ("saved_peak_bytes", "process_peak_bytes"):
+        if "bgpo" in summary:
+            ratio = summary["bgpo"][metric]["ratio_max_to_min"]
+            checks[f"bgpo_flat_{metric}"] = {
+                "ratio": ratio,
+                "n": [summary["bgpo"]["n_min"], summary["bgpo"]["n_max"]],
+                "passed": abs(ratio - 1.0) <= FLAT_TOLERANCE,
+            }
+        if "vrpo" in summary and "r2" in summary["vrpo"][metric]:
+            fit = summary["vrpo"][metric]
+            checks[f"vrpo_linear_{metric}"] = {
+                "r2": fit["r2"],
+                "slope_bytes_per_sample": fit["slope"],
+                "ratio": fit["ratio_max_to_min"],
+                "n": [summary["vrpo"]["n_min"], summary["vrpo"]["n_max"]],
+                "passed": fit["r2"] >= LINEAR_MIN_R2 and fit["slope"] > 0,
+            }
+    return checks
+
+
+def plot(points: list[dict], summary: dict, device: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    process_label = "peak CUDA memory above baseline (MiB)" if device == "cuda" else "peak RSS above baseline (MiB)"
+    panels = [
+        ("saved_peak_bytes", "peak bytes saved for backward (MiB)", "Activations saved for backward (exact)"),
+        ("process_peak_bytes", process_label, "Process memory of the step (fresh process per point)"),
+    ]
+    figure, axes = plt.subplots(1, 2, figsize=(12, 5))
+    all_n = sorted({point["n"] for point in points})
+    for axis, (metric, ylabel, title) in zip(axes, panels):
+        for name in summary:
+            rows = sorted((p for p in points if p["trainer"] == name), key=lambda p: p["n"])
+            ratio = summary[name][metric]["ratio_max_to_min"]
+            label = f"{LABELS[name]}: x{ratio:.2f} from n={rows[0]['n']} to {rows[-1]['n']}"
+            axis.plot(
+                [p["n"] for p in rows],
+                [mib(p[metric]) for p in rows],
+                LINE_STYLES[name],
+                color=COLORS[name],
+                label=label,
+                markersize=5,
+            )
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(all_n, [str(n) for n in all_n])
+        axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        axis.yaxis.set_major_formatter(ScalarFormatter())
+        axis.yaxis.set_minor_formatter(plt.NullFormatter())
+        axis.set_xlabel("n: Monte Carlo samples (ESPO: coupled pairs, 2 passes each; LFPO: states K)")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title, fontsize=11)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8, loc="upper left")
+    figure.suptitle("Memory of one training step on a fixed rollout batch (log-log)", fontsize=12)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = benchmark_parser(__doc__.split("\n\n")[0], "memory")
+    parser.add_argument("--trainers", nargs="+", choices=tuple(SWEPT), default=list(SWEPT), help="Trainers to sweep.")
+    parser.add_argument("--points", nargs="+", type=int, help="Values of n (default: the preset's).")
+    parser.add_argument(
+        "--max-n",
+        nargs="+",
+        default=[],
+        metavar="TRAINER=N",
+        help="Largest n for a trainer (default: the preset's caps, e.g. vrpo=32 espo=16).",
+    )
+    parser.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="CPU: leave glibc's dynamic mmap threshold on (heap fragmentation then shows in the process figures "
+        "of objectives with several backward passes; see benchmarks/README.md).",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device, _, preset = select_preset(args, PRESETS)
+    points = tuple(sorted(args.points or preset.points))
+    max_points = {**preset.max_points, **{k: int(v) for k, v in (item.split("=") for item in args.max_n)}}
+    threads = args.threads if device == "cpu" else None
+    fix_mmap_threshold = device == "cpu" and not args.malloc_defaults
+    context = fresh_process_context(device)
+    started = time.perf_counter()
+
+    with tempfile.TemporaryDirectory(prefix="trl-diffusion-memory-") as scratch:
+        scratch = Path(scratch)
+        model_dir = args.model_dir or scratch / "model"
+        if not (model_dir / "config.json").is_file():
+            build_model_dir(model_dir, MODEL_SIZES[preset.model])
+        job = {
+            "model_dir": str(model_dir),
+            "output_dir": str(scratch / "trainer"),
+            "batch_path": str(scratch / "batch.pt"),
+            "rollout": asdict(preset.rollout),
+            "device": device,
+            "threads": threads,
+            "fix_mmap_threshold": fix_mmap_threshold,
+        }
+        shape = run_in_fresh_process(context, generate_batch, job)
+        print(
+            f"rollout batch: {preset.rollout.rows} completions, prompt {shape['prompt_length']} + canvas "
+            f"{shape['completion_length']} tokens"
+        )
+        results, skipped = [], []
+        for name in args.trainers:
+            for n in points:
+                if n > max_points.get(name, math.inf):
+                    skipped.append({"trainer": name, "n": n, "reason": f"above the preset's cap {max_points[name]}"})
+                    continue
+                if any(entry["trainer"] == name and entry["reason"] == "out of memory" for entry in skipped):
+                    skipped.append({"trainer": name, "n": n, "reason": "out of memory at a smaller n"})
+                    continue
+                result = run_in_fresh_process(context, measure_point, {**job, "trainer": name, "n": n})
+                if result.get("out_of_memory"):
+                    print(f"{LABELS[name]:>5} n={n:<3} out of memory")
+                    skipped.append({"trainer": name, "n": n, "reason": "out of memory"})
+                    continue
+                print(
+                    f"{LABELS[name]:>5} n={n:<3} saved {mib(result['saved_peak_bytes']):9.1f} MiB, process "
+                    f"{mib(result['process_peak_bytes']):9.1f} MiB, step {result['step_seconds']:.2f} s"
+                )
+                results.append(result)
+        model = model_description(model_dir)
+
+    summary = summarise(results)
+    checks = acceptance(summary)
+    elapsed = time.perf_counter() - started
+    process = "process peak (MiB)" if device == "cpu" else "CUDA peak (MiB)"
+    step = "step (CPU s)" if device == "cpu" else "step (s)"
+    headers = ["trainer", "n", "saved for backward (MiB)", "x n_min", process, "x n_min", step]
+    first = {name: summary[name]["n_min"] for name in summary}
+    base = {(p["trainer"]): p for p in results if p["n"] == first[p["trainer"]]}
+    table = format_table(
+        headers,
+        [
+            [
+                LABELS[p["trainer"]],
+                p["n"],
+                f"{mib(p['saved_peak_bytes']):.1f}",
+                f"{p['saved_peak_bytes'] / base[p['trainer']]['saved_peak_bytes']:.2f}",
+                f"{mib(p['process_peak_bytes']):.1f}",
+                f"{p['process_peak_bytes'] / base[p['trainer']]['process_peak_bytes']:.2f}",
+                f"{p['step_seconds']:.2f}",
+            ]
+            for p in results
+        ],
+    )
+    print("\n" + table + "\n")
+    for entry in skipped:
+        print(f"not measured: {LABELS[entry['trainer']]} at n={entry['n']} ({entry['reason']})")
+    for check, outcome in checks.items():
+        detail = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in outcome.items())
+        print(f"{'PASS' if outcome['passed'] else 'FAIL'} {check}: {detail}")
+    print(f"total {elapsed:.0f} s")
+
+    payload = {
+        "benchmark": "memory",
+        "preset": "smoke" if args.smoke else preset.model,
+        "machine": machine_info(device, threads),
+        "model": model,
+        "rollout": {**asdict(preset.rollout), **shape},
+        "swept": SWEPT,
+        "fixed_settings": {"beta": 0.0, "num_iterations": 1, "gradient_checkpointing": False, "advantages": "+1/-1"},
+        "lfpo_block_size": preset.rollout.rows,
+        "process_memory": "cuda_max_memory_allocated" if device == "cuda" else "rss_high_water_mark",
+        "step_seconds_clock": CLOCK_NAMES[device],
+        "glibc_mmap_threshold": ("fixed at 128 KiB" if fix_mmap_threshold else "glibc default")
+        if device == "cpu"
+        else None,
+        "points": results,
+        "skipped": skipped,
+        "summary": summary,
+        "acceptance": checks,
+        "table": table,
+        "seconds": round(elapsed, 1),
+    }
+    return save_results(args, payload, plot, results, summary, device)
+
+
+if __name__ == "__main__":
+    main()

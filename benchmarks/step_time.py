@@ -1,0 +1,350 @@
+"""Time per optimiser step, split into generation, scoring and update, for every trainer at its default settings.
+
+Each trainer trains on procedural Countdown prompts (no download) from a locally built LLaDA with random weights, at
+its own defaults (DiffuGRPO: mean-field, beta 0.04; VRPO: n_t 4; BGPO: n_t 16; ESPO: 2 coupled pairs, mu 8,
+beta 1e-3; LFPO: K 8 states in blocks of 8; TRL's gradient checkpointing on), with only the sizes scaled to the
+machine. Phases, timed by wrapping the trainer's methods and by a callback around each optimiser step:
+
+- generation: `_generate_single_turn`, the denoising sampler;
+- scoring: the rest of `_generate_and_score_completions`: rewards, advantages, old / reference terms
+  (`_score_rollouts`) and LFPO's EMA update of its old policy;
+- update: the rest of the optimiser step: forward and backward passes, clipping and the optimiser step.
+
+A rollout serves `num_iterations` optimiser steps (ESPO: 8), so each trainer is timed over whole generation cycles
+after one warm-up step, and its figures are means per optimiser step. Each trainer runs in a fresh process, in rounds
+that run every trainer in turn (2 on the CPU), all in one invocation, so that ratios (BGPO at n_t 16 against VRPO at
+n_t 4) come from the same conditions; each round's means are kept in the JSON. Seconds are wall time on a GPU and
+process CPU time on the CPU (one torch thread: the work done, which other processes' load on a shared machine
+changes far less than wall time; see `_common.clock`). Generation is the same work for every trainer (same model,
+prompts and sampler settings), so its spread across trainers shows how steady the clock was.
+
+    python benchmarks/step_time.py                 # CPU, small sizes (1.5 minutes on 2 cores)
+    python benchmarks/step_time.py --device cuda   # one GPU, ~318M-parameter model
+    python benchmarks/step_time.py --smoke         # seconds: CI's check that the script runs
+
+Writes `<output-dir>/<name>.json` and `<name>.png` (default `benchmarks/results/step_time.*`) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from _common import (
+    CLOCK_NAMES,
+    COLORS,
+    LABELS,
+    MODEL_SIZES,
+    TRAINERS,
+    RolloutSize,
+    benchmark_parser,
+    build_model_dir,
+    clock,
+    format_table,
+    fresh_process_context,
+    machine_info,
+    make_trainer,
+    model_description,
+    run_in_fresh_process,
+    save_results,
+    select_preset,
+    set_threads,
+)
+from transformers import PrinterCallback, TrainerCallback
+
+PHASES = ("generation", "scoring", "update")
+PHASE_COLORS = {"generation": "tab:purple", "scoring": "tab:olive", "update": "tab:cyan"}
+# The defaults that define each trainer's cost, reported with its timings.
+SETTINGS = {
+    "d1": ("num_iterations", "beta", "p_mask_prompt"),
+    "vrpo": ("num_mc_samples", "num_iterations", "beta"),
+    "bgpo": ("num_mc_samples", "num_iterations", "beta"),
+    "espo": ("num_mc_samples", "mask_sampler", "num_iterations", "beta"),
+    "lfpo": ("lfpo_num_states", "lfpo_block_size", "num_iterations"),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: str
+    rollout: RolloutSize
+    steps: int  # measured optimiser steps per round (rounded up to whole generation cycles)
+    rounds: int  # each round runs every trainer once, in turn
+
+
+PRESETS = {
+    "smoke": Preset("smoke", RolloutSize(2, 2, 16, 16, 8, 4), steps=1, rounds=1),
+    "cpu": Preset("cpu", RolloutSize(4, 4, 64, 128, 32, 64), steps=3, rounds=2),
+    "gpu": Preset("gpu", RolloutSize(8, 8, 128, 256, 32, 128), steps=4, rounds=1),
+}
+
+
+class PhaseTimer(TrainerCallback):
+    """Times generation and `_generate_and_score_completions` inside each optimiser step (`on_step_begin` to
+    `on_step_end`) with [`_common.clock`]; wraps the two methods on the trainer instance."""
+
+    def __init__(self, trainer, device: str):
+        self.device = device
+        self.steps = []
+        self._totals = {}
+        self._start = 0.0
+        for method, phase in (("_generate_single_turn", "generation"), ("_generate_and_score_completions", "rollout")):
+            setattr(trainer, method, self._timed(getattr(trainer, method), phase))
+
+    def _clock(self) -> float:
+        return clock(self.device)
+
+    def _timed(self, method, phase: str):
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            start = self._clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._totals[phase] = self._totals.get(phase, 0.0) + self._clock() - start
+                if phase == "rollout":
+                    self._totals["rollouts"] = self._totals.get("rollouts", 0) + 1
+
+        return timed
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._totals = {}
+        self._start = self._clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        total = self._clock() - self._start
+        generation, rollout = self._totals.get("generation", 0.0), self._totals.get("rollout", 0.0)
+        self.steps.append(
+            {
+                "total": total,
+                "generation": generation,
+                "scoring": rollout - generation,
+                "update": total - rollout,
+                "rollouts": self._totals.get("rollouts", 0),
+            }
+        )
+
+
+def time_trainer(job: dict) -> dict:
+    """Worker: trains `job["trainer"]` for one warm-up step and whole generation cycles; per-step phase times."""
+    set_threads(job["threads"])
+    name, device = job["trainer"], job["device"]
+    rollout = RolloutSize(**job["rollout"])
+    config_class = TRAINERS[name][0]
+    num_iterations = config_class.__dataclass_fields__["num_iterations"].default
+    steps = math.ceil(job["steps"] / num_iterations) * num_iterations
+    trainer = make_trainer(
+        name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]) / name, max_steps=1 + steps
+    )
+    timer = PhaseTimer(trainer, device)
+    trainer.add_callback(timer)
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return {
+        "trainer": name,
+        "settings": {field: getattr(trainer.args, field) for field in SETTINGS[name]},
+        "gradient_checkpointing": trainer.args.gradient_checkpointing,
+        "steps": timer.steps[1:],
+    }
+
+
+def mean_per_step(steps: list[dict]) -> dict:
+    return {key: sum(step[key] for step in steps) / len(steps) for key in ("total", *PHASES)}
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One trainer's runs (one per round) as one result: means over every measured step, and each round's means."""
+    steps = [step for run in runs for step in run["steps"]]
+    return {
+        **{key: runs[0][key] for key in ("trainer", "settings", "gradient_checkpointing")},
+        "measured_steps": len(steps),
+        "rollouts": sum(step["rollouts"] for step in steps),
+        "mean_seconds_per_step": mean_per_step(steps),
+        "rounds": [mean_per_step(run["steps"]) for run in runs],
+        "steps": steps,
+    }
+
+
+def plot(results: list[dict], ratio: dict | None, device: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 5))
+    names = [LABELS[result["trainer"]] for result in results]
+    bottom = [0.0] * len(results)
+    for phase in PHASES:
+        values = [result["mean_seconds_per_step"][phase] for result in results]
+        axis.bar(names, values, bottom=bottom, color=PHASE_COLORS[phase], label=phase, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for index, (result, top) in enumerate(zip(results, bottom)):
+        note = describe(result["settings"])
+        if result["rollouts"] != result["measured_steps"]:
+            note += f"\none rollout per {result['measured_steps'] // result['rollouts']} steps"
+        axis.annotate(
+            f"{top:.2f} s",
+            (index, top),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
+        axis.annotate(
+            note,
+            (index, 0),
+            ha="center",
+            va="top",
+            fontsize=7,
+            xytext=(0, -16),
+            textcoords="offset points",
+            color="dimgray",
+        )
+    for tick, result in zip(axis.get_xticklabels(), results):
+        tick.set_color(COLORS[result["trainer"]])
+    unit = "CPU seconds" if device == "cpu" else "seconds"
+    axis.set_ylabel(f"{unit} per optimiser step (mean)")
+    axis.set_ylim(0, max(bottom) * 1.15)
+    title = "Time per training step by phase, each trainer at its defaults"
+    if ratio:
+        title += f"\nBGPO (n_t 16) / VRPO (n_t 4): x{ratio['total']:.2f} per step, x{ratio['update']:.2f} update phase"
+    axis.set_title(title, fontsize=11)
+    axis.legend(loc="upper left")
+    axis.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def describe(settings: dict) -> str:
+    """A trainer's cost-defining settings, short: `n_t 16, mu 1, beta 0.0`."""
+    short = {
+        "num_mc_samples": "n_t",
+        "num_iterations": "mu",
+        "lfpo_num_states": "K",
+        "lfpo_block_size": "block",
+        "mask_sampler": "",
+        "p_mask_prompt": "p_mask",
+    }
+    return ", ".join(f"{short.get(field, field)} {value}".strip() for field, value in settings.items())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = benchmark_parser(__doc__.split("\n\n")[0], "step_time")
+    parser.add_argument("--trainers", nargs="+", choices=tuple(TRAINERS), default=list(TRAINERS), help="Trainers.")
+    parser.add_argument("--steps", type=int, help="Measured optimiser steps per round (default: the preset's).")
+    parser.add_argument(
+        "--rounds", type=int, help="Rounds, each running every trainer in turn (default: the preset's, 2 on CPU)."
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device, preset_name, preset = select_preset(args, PRESETS)
+    rounds = args.rounds or preset.rounds
+    context = fresh_process_context(device)
+    unit = "CPU s" if device == "cpu" else "s"
+    started = time.perf_counter()
+
+    with tempfile.TemporaryDirectory(prefix="trl-diffusion-step-time-") as scratch:
+        scratch = Path(scratch)
+        model_dir = args.model_dir or scratch / "model"
+        if not (model_dir / "config.json").is_file():
+            build_model_dir(model_dir, MODEL_SIZES[preset.model])
+        job = {
+            "model_dir": str(model_dir),
+            "output_dir": str(scratch / "trainer"),
+            "rollout": asdict(preset.rollout),
+            "device": device,
+            "threads": args.threads if device == "cpu" else None,
+            "steps": args.steps or preset.steps,
+        }
+        runs = {name: [] for name in args.trainers}
+        # Round-robin: a change of load on a shared machine is spread over the trainers instead of hitting one.
+        for round_index in range(rounds):
+            for name in args.trainers:
+                run = run_in_fresh_process(context, time_trainer, {**job, "trainer": name})
+                runs[name].append(run)
+                mean = mean_per_step(run["steps"])
+                print(
+                    f"round {round_index + 1}/{rounds} {LABELS[name]:>14}: {mean['total']:.2f} {unit} per step "
+                    f"(generation {mean['generation']:.2f}, scoring {mean['scoring']:.2f}, update "
+                    f"{mean['update']:.2f}) over {len(run['steps'])} steps"
+                )
+        results = [merge_rounds(runs[name]) for name in args.trainers]
+        model = model_description(model_dir)
+
+    by_name = {result["trainer"]: result for result in results}
+    ratio = None
+    if {"bgpo", "vrpo"} <= by_name.keys():
+        bgpo, vrpo = (by_name[name]["mean_seconds_per_step"] for name in ("bgpo", "vrpo"))
+        ratio = {
+            "bgpo_num_mc_samples": by_name["bgpo"]["settings"]["num_mc_samples"],
+            "vrpo_num_mc_samples": by_name["vrpo"]["settings"]["num_mc_samples"],
+            **{key: bgpo[key] / vrpo[key] for key in ("total", "update")},
+            "rounds": [
+                {key: b[key] / v[key] for key in ("total", "update")}
+                for b, v in zip(by_name["bgpo"]["rounds"], by_name["vrpo"]["rounds"])
+            ],
+        }
+    elapsed = time.perf_counter() - started
+    rows = []
+    for result in results:
+        mean = result["mean_seconds_per_step"]
+        rows.append(
+            [
+                LABELS[result["trainer"]],
+                describe(result["settings"]),
+                f"{mean['generation']:.2f}",
+                f"{mean['scoring']:.2f}",
+                f"{mean['update']:.2f}",
+                f"{mean['total']:.2f}",
+                f"{result['rollouts']}/{result['measured_steps']}",
+            ]
+        )
+    phases = [f"{phase} ({unit})" for phase in (*PHASES, "step")]
+    headers = ["trainer", "defaults", *phases, "rollouts/steps"]
+    table = format_table(headers, rows)
+    print("\n" + table + "\n")
+    if ratio:
+        print(
+            f"BGPO (n_t {ratio['bgpo_num_mc_samples']}) / VRPO (n_t {ratio['vrpo_num_mc_samples']}): "
+            f"x{ratio['total']:.2f} per optimiser step, x{ratio['update']:.2f} in the update phase (rounds: "
+            + ", ".join(f"x{r['total']:.2f} / x{r['update']:.2f}" for r in ratio["rounds"])
+            + ")"
+        )
+    print(f"total {elapsed:.0f} s")
+
+    payload = {
+        "benchmark": "step_time",
+        "preset": preset_name,
+        "machine": machine_info(device, job["threads"]),
+        "model": model,
+        "rollout": asdict(preset.rollout),
+        "rounds": rounds,
+        "task": "countdown",
+        "clock": CLOCK_NAMES[device],
+        "phases": {
+            "generation": "_generate_single_turn (the denoising sampler)",
+            "scoring": "_generate_and_score_completions minus generation: rewards, advantages, old/reference terms, "
+            "LFPO's EMA update",
+            "update": "the rest of the optimiser step: forward, backward, clipping, optimiser step",
+        },
+        "results": results,
+        "bgpo_over_vrpo": ratio,
+        "table": table,
+        "seconds": round(elapsed, 1),
+    }
+    return save_results(args, payload, plot, results, ratio, device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The benchmark scripts keep working: each runs at its smoke size (a tiny model, a few points) and writes a JSON with
+the schema the docs read, and a PNG. The GPU check exits cleanly without a GPU, and its dry run (the same stages on
+the CPU at the smoke sizes) writes its summary. Measured figures are not checked here: see benchmarks/README.md."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import memory  # noqa: E402
+import step_time  # noqa: E402
+import throughput  # noqa: E402
+
+sys.path.insert(0, str(BENCHMARKS / "gpu"))
+import check  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MACHINE_KEYS = {"cpu_model", "cpu_count", "torch_threads", "torch", "device"}
+MODEL_KEYS = {"d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size", "parameters"}
+
+
+def load_outputs(directory: Path, name: str) -> dict:
+    """The JSON of a benchmark run, after checking that its PNG was written too."""
+    assert (directory / f"{name}.png").read_bytes().startswith(PNG_SIGNATURE)
+    payload = json.loads((directory / f"{name}.json").read_text())
+    assert MACHINE_KEYS <= payload["machine"].keys()
+    assert MODEL_KEYS <= payload["model"].keys()
+    assert payload["table"].startswith("|")
+    return payload
+
+
+@pytest.mark.parametrize("module", [memory, step_time, throughput, check], ids=lambda module: module.__name__)
+def test_help(module, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    assert "--output-dir" in capsys.readouterr().out
+
+
+def test_memory_smoke(tmp_path):
+    memory.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = load_outputs(tmp_path, "memory")
+    points = payload["points"]
+    assert {point["trainer"] for point in points} == {"vrpo", "bgpo", "espo", "lfpo"}
+    assert {point["n"] for point in points} == set(memory.PRESETS["smoke"].points)
+    for point in points:
+        assert {"saved_peak_bytes", "process_peak_bytes", "process_baseline_bytes", "step_seconds"} <= point.keys()
+        assert point["saved_peak_bytes"] > 0 and point["process_peak_bytes"] > 0
+    for name, summary in payload["summary"].items():
+        assert {"ratio_max_to_min", "slope", "intercept", "r2"} <= summary["saved_peak_bytes"].keys(), name
+    # Exact and machine-independent: all-graphs VRPO saves n times what one sample saves; BGPO saves the same.
+    assert payload["summary"]["vrpo"]["saved_peak_bytes"]["ratio_max_to_min"] == pytest.approx(4, rel=0.05)
+    assert payload["summary"]["bgpo"]["saved_peak_bytes"]["ratio_max_to_min"] == pytest.approx(1, rel=0.05)
+    assert set(payload["acceptance"]) == {
+        f"{check}_{metric}"
+        for check in ("bgpo_flat", "vrpo_linear")
+        for metric in ("saved_peak_bytes", "process_peak_bytes")
+    }
+    assert all(isinstance(outcome["passed"], bool) for outcome in payload["acceptance"].values())
+
+
+def test_step_time_smoke(tmp_path):
+    step_time.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = load_outputs(tmp_path, "step_time")
+    results = {result["trainer"]: result for result in payload["results"]}
+    assert results.keys() == {"d1", "vrpo", "bgpo", "espo", "lfpo"}
+    for name, result in results.items():
+        mean = result["mean_seconds_per_step"]
+        assert set(mean) == {"total", "generation", "scoring", "update"}, name
+        assert mean["generation"] > 0 and mean["update"] > 0, name
+        assert mean["total"] == pytest.approx(mean["generation"] + mean["scoring"] + mean["update"]), name
+        assert result["rollouts"] * result["settings"]["num_iterations"] == result["measured_steps"], name
+        assert len(result["rounds"]) == payload["rounds"], name
+    # The trainers' defaults are what is timed.
+    assert results["bgpo"]["settings"]["num_mc_samples"] == 16
+    assert results["vrpo"]["settings"]["num_mc_samples"] == 4
+    assert results["espo"]["settings"]["num_iterations"] == 8
+    ratio = payload["bgpo_over_vrpo"]
+    assert ratio["bgpo_num_mc_samples"] == 16 and ratio["vrpo_num_mc_samples"] == 4
+    assert ratio["total"] > 0 and ratio["update"] > 0
+
+
+def test_throughput_smoke(tmp_path):
+    throughput.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = load_outputs(tmp_path, "throughput")
+    measured = [result for result in payload["results"] if "seconds" in result]
+    assert {result["decoding"] for result in measured} == {"fixed", "threshold"}
+    assert len(payload["results"]) == 2 * len(payload["cache_modes"])
+    for result in measured:
+        assert result["tokens_per_second"] > 0 and result["forward_passes"] > 0
+        assert result["tokens_per_forward"] == pytest.approx(result["gen_length"] / result["forward_passes"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run for real")
+def test_gpu_check_without_a_gpu_says_so_and_exits_cleanly(tmp_path, capsys):
+    assert check.main(["--output-dir", str(tmp_path)]) == 0
+    assert "No CUDA GPU" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())
+
+
+def test_gpu_check_dry_run(tmp_path):
+    assert check.main(["--dry-run", "--output-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["dry_run"] is True
+    assert [stage["stage"] for stage in summary["stages"]] == ["memory", "throughput", "step_time"]
+    assert all(stage["status"] == "ok" for stage in summary["stages"])
+    for stage in summary["stages"]:
+        assert load_outputs(tmp_path, f"gpu_{stage['stage']}")["preset"] == "smoke"
