@@ -22,7 +22,6 @@ import random
 import time
 from pathlib import Path
 
-import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,6 +43,54 @@ def sft_dataset(task_rows: Dataset, correct_fraction: float, seed: int) -> Datas
         for numbers, answer in zip(task_rows["numbers"], task_rows["answer"])
     ]
     return Dataset.from_dict({"prompt": task_rows["prompt"], "completion": completions})
+
+
+def build_and_sft(
+    output_dir: Path, seed: int = 0, sft_steps: int = 1500, correct_fraction: float = 0.4, verbose: bool = True
+):
+    """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `larger_number` with
+    the first-number habit; saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train
+    rows, SFT model directory)`; `benchmarks/learning.py` starts every trainer from that directory."""
+    task = get_task(TASK)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_llada(tokenizer, d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=256, seed=seed)
+    base_dir = output_dir / "tiny-llada"
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    if verbose:
+        print(f"[1/5] Built a tiny LLaDA ({sum(p.numel() for p in model.parameters()):,} parameters): {base_dir}")
+
+    common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": seed, "save_strategy": "no"}
+    sft_args = DiffusionSFTConfig(
+        output_dir=str(output_dir / "sft"),
+        max_steps=sft_steps,
+        per_device_train_batch_size=64,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        completion_length=task.max_completion_length,
+        logging_steps=100,
+        gradient_checkpointing=False,
+        disable_tqdm=None if verbose else True,
+        **common,
+    )
+    train_rows = task.load("train", seed=seed)
+    sft = DiffusionSFTTrainer(
+        model=str(base_dir),
+        args=sft_args,
+        train_dataset=sft_dataset(train_rows, correct_fraction, seed),
+        processing_class=tokenizer,
+    )
+    sft.train()
+    sft_dir = output_dir / "sft-model"
+    sft.save_model(str(sft_dir))
+    return sft, tokenizer, train_rows, sft_dir
+
+
+def greedy_config(task) -> DiffusionGenerationConfig:
+    """The held-out evaluation's decoding: greedy, one token per step, the task's canvas and blocks."""
+    return DiffusionGenerationConfig(
+        gen_length=task.max_completion_length, block_length=task.block_length, steps=task.max_completion_length
+    )
 
 
 def reward_curve(log_history: list[dict], path: Path) -> None:
@@ -78,46 +125,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rl_batch_size", type=int, default=64, help="Rollouts per BGPO step (8 per prompt).")
     parser.add_argument("--num_eval_examples", type=int, default=400, help="Held-out prompts (test split).")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     task = get_task(TASK)
     start = time.perf_counter()
 
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_llada(tokenizer, d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=256, seed=args.seed)
-    base_dir = output_dir / "tiny-llada"
-    model.save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
-    print(f"[1/5] Built a tiny LLaDA ({sum(p.numel() for p in model.parameters()):,} parameters): {base_dir}")
-
-    common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": args.seed, "save_strategy": "no"}
-    sft_args = DiffusionSFTConfig(
-        output_dir=str(output_dir / "sft"),
-        max_steps=args.sft_steps,
-        per_device_train_batch_size=64,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        completion_length=task.max_completion_length,
-        logging_steps=100,
-        gradient_checkpointing=False,
-        **common,
+    sft, tokenizer, train_rows, sft_dir = build_and_sft(
+        output_dir, seed=args.seed, sft_steps=args.sft_steps, correct_fraction=args.sft_correct_fraction
     )
-    train_rows = task.load("train", seed=args.seed)
-    sft = DiffusionSFTTrainer(
-        model=str(base_dir),
-        args=sft_args,
-        train_dataset=sft_dataset(train_rows, args.sft_correct_fraction, args.seed),
-        processing_class=tokenizer,
-    )
-    sft.train()
-    sft_dir = output_dir / "sft-model"
-    sft.save_model(str(sft_dir))
     print(f"[2/5] SFT: {args.sft_steps} steps, {args.sft_correct_fraction:.0%} of the answers right: {sft_dir}")
+    common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": args.seed, "save_strategy": "no"}
 
-    greedy = DiffusionGenerationConfig(
-        gen_length=task.max_completion_length, block_length=task.block_length, steps=task.max_completion_length
-    )
+    greedy = greedy_config(task)
 
     def held_out_accuracy(trained_model) -> float:
         result = evaluate_task(
