@@ -12,6 +12,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import learning  # noqa: E402
 import memory  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
@@ -34,7 +35,9 @@ def load_outputs(directory: Path, name: str) -> dict:
     return payload
 
 
-@pytest.mark.parametrize("module", [memory, step_time, throughput, check], ids=lambda module: module.__name__)
+@pytest.mark.parametrize(
+    "module", [learning, memory, step_time, throughput, check], ids=lambda module: module.__name__
+)
 def test_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.parse_args(["--help"])
@@ -94,6 +97,35 @@ def test_throughput_smoke(tmp_path):
     for result in measured:
         assert result["tokens_per_second"] > 0 and result["forward_passes"] > 0
         assert result["tokens_per_forward"] == pytest.approx(result["gen_length"] / result["forward_passes"])
+
+
+def test_learning_smoke(tmp_path):
+    learning.main(["--smoke", "--output-dir", str(tmp_path), "--jobs", "1"])
+    payload = load_outputs(tmp_path, "learning")
+    settings = payload["settings"]
+    assert settings["seeds"] == 1 and settings["rl_steps"] == 2 and settings["num_eval_examples"] == 16
+    assert settings["rl"]["num_iterations"] == 1 and settings["rl"]["beta"] == 0.0
+    assert settings["rl"]["per_device_train_batch_size"] == 64 and settings["rl"]["num_generations"] == 8
+    assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
+    assert [run["seed"] for run in payload["sft"]["runs"]] == [0]
+    results = {result["trainer"]: result for result in payload["results"]}
+    assert results.keys() == {"d1", "vrpo", "bgpo", "espo", "lfpo"}
+    for name, result in results.items():
+        assert {
+            "objective",
+            "accuracy_mean",
+            "accuracy_std",
+            "train_seconds_mean",
+            "final_reward_mean",
+        } <= result.keys()
+        assert 0 <= result["accuracy_mean"] <= 1, name
+        (run,) = result["runs"]
+        assert run["seed"] == 0 and run["train_seconds"] > 0, name
+        assert len(run["rewards"]) == 2 and all(0 <= reward <= 1 for reward in run["rewards"]), name
+    # Each objective at its own defaults.
+    assert results["bgpo"]["objective"]["num_mc_samples"] == 16
+    assert results["vrpo"]["objective"]["num_mc_samples"] == 4
+    assert results["espo"]["objective"]["mask_sampler"] == "coupled"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run for real")

@@ -1,0 +1,392 @@
+"""Learning: all five trainers on the demo task with the same budget and seeds, held-out accuracy and reward curves.
+
+For each seed, the demo's first two stages run once (`trl_diffusion.demo.build_and_sft`): a tiny LLaDA SFT'd on
+`larger_number` with a deliberate first-number habit (40% of the SFT answers right). Every trainer then starts from
+that seed's SFT model with the same budget: the same optimiser steps, rollout batch (8 prompts x 8 completions),
+sampling temperature 1.0, learning rate (constant, no warm-up), gradient clipping and seed; `num_iterations=1` and
+`beta=0` everywhere, and otherwise each objective at its own defaults (DiffuGRPO: mean-field one-step likelihood;
+VRPO: n_t 4; BGPO: n_t 16; ESPO: 2 coupled pairs, sequence-level clipped ratio; LFPO: K 8 trajectory states,
+contrastive step 1.0). Held-out accuracy is greedy diffusion decoding (`trl_diffusion.evaluation.evaluate_task`)
+on the same test pairs for every model; the reward curve is each step's mean rollout reward.
+
+    python benchmarks/learning.py            # CPU defaults (3 seeds, SFT 1500 steps, RL 100 steps, 200 test pairs)
+    python benchmarks/learning.py --smoke    # seconds: CI's check that the script runs
+
+Runs are spread over `--jobs` fresh processes (one torch thread each by default); the wall time of each trainer run
+(training only, without evaluation) is reported. Writes `<output-dir>/<name>.json` and `<name>.png` (default
+`benchmarks/results/learning.*`) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (
+    COLORS,
+    LABELS,
+    TRAINERS,
+    benchmark_parser,
+    format_table,
+    fresh_process_context,
+    machine_info,
+    model_description,
+    quiet,
+    save_results,
+    select_preset,
+    set_threads,
+)
+
+# Fixed for every trainer: the budget and the comparability settings.
+RL_SETTINGS = {
+    "per_device_train_batch_size": 64,  # rollouts per optimiser step: 8 prompts x 8 completions
+    "num_generations": 8,
+    "temperature": 1.0,
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "max_grad_norm": 1.0,
+    "max_prompt_length": 64,
+    "num_iterations": 1,
+    "beta": 0.0,
+    "gradient_checkpointing": False,
+}
+# The objective settings reported with each trainer (its own defaults).
+OBJECTIVE_FIELDS = {
+    "d1": ("p_mask_prompt",),
+    "vrpo": ("num_mc_samples",),
+    "bgpo": ("num_mc_samples",),
+    "espo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
+    "lfpo": ("lfpo_num_states", "lfpo_states", "lfpo_block_size", "contrastive_beta", "lfpo_variant"),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    seeds: int
+    sft_steps: int
+    rl_steps: int
+    num_eval_examples: int
+    learning_rate: float
+
+
+PRESETS = {
+    "smoke": Preset(seeds=1, sft_steps=10, rl_steps=2, num_eval_examples=16, learning_rate=5e-4),
+    "cpu": Preset(seeds=3, sft_steps=1500, rl_steps=100, num_eval_examples=200, learning_rate=5e-4),
+    "gpu": Preset(seeds=3, sft_steps=1500, rl_steps=300, num_eval_examples=400, learning_rate=5e-4),
+}
+
+
+def _accuracy(model, tokenizer, num_examples: int) -> float:
+    from trl_diffusion.demo import TASK, greedy_config
+    from trl_diffusion.evaluation import evaluate_task
+    from trl_diffusion.tasks import get_task
+
+    task = get_task(TASK)
+    result = evaluate_task(
+        model,
+        tokenizer,
+        task,
+        num_examples=num_examples,
+        generation_config=greedy_config(task),
+        batch_size=200,
+        seed=0,  # the same test pairs for every seed and trainer
+        progress_bar=False,
+    )
+    return result["accuracy"]
+
+
+def sft_job(job: dict) -> dict:
+    """One seed's SFT model (saved under `job['dir']`) and its held-out accuracy."""
+    from trl_diffusion.demo import build_and_sft
+
+    quiet()
+    set_threads(job["threads"])
+    start = time.perf_counter()
+    sft, tokenizer, _, sft_dir = build_and_sft(
+        Path(job["dir"]), seed=job["seed"], sft_steps=job["sft_steps"], correct_fraction=0.4, verbose=False
+    )
+    seconds = time.perf_counter() - start
+    return {
+        "seed": job["seed"],
+        "sft_dir": str(sft_dir),
+        "sft_seconds": seconds,
+        "accuracy": _accuracy(sft.model, tokenizer, job["num_eval_examples"]),
+    }
+
+
+def rl_job(job: dict) -> dict:
+    """Trains one trainer from one seed's SFT model and evaluates it."""
+    from transformers import AutoTokenizer, PrinterCallback
+
+    from trl_diffusion.demo import TASK
+    from trl_diffusion.tasks import get_task
+
+    quiet()
+    set_threads(job["threads"])
+    task = get_task(TASK)
+    name, seed = job["trainer"], job["seed"]
+    config_class, trainer_class = TRAINERS[name]
+    config = config_class(
+        output_dir=job["output_dir"],
+        max_steps=job["rl_steps"],
+        learning_rate=job["learning_rate"],
+        max_completion_length=task.max_completion_length,
+        block_length=task.block_length,
+        diffusion_steps=task.max_completion_length,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=job["device"] == "cpu",
+        bf16=False,
+        seed=seed,
+        **RL_SETTINGS,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(job["sft_dir"])
+    trainer = trainer_class(
+        model=job["sft_dir"],
+        reward_funcs=list(task.reward_funcs),
+        args=config,
+        train_dataset=task.load("train", seed=seed),
+        processing_class=tokenizer,
+    )
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    return {
+        "trainer": name,
+        "seed": seed,
+        "train_seconds": seconds,
+        "rewards": rewards,
+        "accuracy": _accuracy(trainer.model, tokenizer, job["num_eval_examples"]),
+        "objective": {field: getattr(config, field) for field in OBJECTIVE_FIELDS[name]},
+    }
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for name in trainers:
+        runs = results[name]["runs"]
+        length = min(len(run["rewards"]) for run in runs)
+        if length == 0:
+            continue
+        mean = [statistics.fmean(run["rewards"][step] for run in runs) for step in range(length)]
+        # A 5-step moving average over the seed mean: per-step rewards of 64 rollouts are noisy.
+        window = min(5, length)
+        smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(length)]
+        steps = list(range(1, length + 1))
+        curves.plot(steps, mean, color=COLORS[name], alpha=0.2, linewidth=0.8)
+        curves.plot(steps, smooth, color=COLORS[name], linewidth=1.6, label=LABELS[name])
+    curves.axhline(sft["accuracy_mean"], color="black", linestyle=":", linewidth=1, label="SFT held-out (greedy)")
+    curves.set_xlabel("optimiser step")
+    curves.set_ylabel(f"mean reward of the rollouts (mean over {settings['seeds']} seeds)")
+    curves.set_ylim(0, 1)
+    curves.set_title("Training reward (light: per step; bold: 5-step moving average)", fontsize=10)
+    curves.grid(alpha=0.3)
+    curves.legend(loc="lower right", fontsize=8)
+
+    names = ["SFT", *(LABELS[name] for name in trainers)]
+    means = [sft["accuracy_mean"], *(results[name]["accuracy_mean"] for name in trainers)]
+    errors = [sft["accuracy_std"], *(results[name]["accuracy_std"] for name in trainers)]
+    colors = ["black", *(COLORS[name] for name in trainers)]
+    positions = range(len(names))
+    bars.bar(positions, means, yerr=errors, color=colors, alpha=0.8, capsize=4)
+    for position, value in zip(positions, means):
+        bars.annotate(
+            f"{value:.1%}",
+            (position, value),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
+    bars.set_xticks(list(positions), names, rotation=20, fontsize=8)
+    bars.set_ylim(0, 1)
+    bars.set_ylabel(f"held-out accuracy, greedy ({settings['num_eval_examples']} test pairs)")
+    bars.set_title(f"After {settings['rl_steps']} RL steps (mean ± std over seeds)", fontsize=10)
+    bars.grid(True, axis="y", alpha=0.3)
+    figure.suptitle(
+        f"larger_number, tiny LLaDA: SFT {settings['sft_steps']} steps, then each trainer with the same budget "
+        f"(batch 8x8, lr {settings['learning_rate']:g}, mu 1, beta 0)",
+        fontsize=11,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = benchmark_parser(__doc__.split("\n\n")[0], "learning")
+    parser.add_argument("--trainers", nargs="+", choices=tuple(TRAINERS), default=list(TRAINERS), help="Trainers.")
+    parser.add_argument("--seeds", type=int, help="Number of seeds (0, 1, ...; default: the preset's, 3).")
+    parser.add_argument("--sft-steps", type=int, help="SFT optimiser steps (default: the preset's).")
+    parser.add_argument("--rl-steps", type=int, help="RL optimiser steps of every trainer (default: the preset's).")
+    parser.add_argument("--num-eval-examples", type=int, help="Held-out test pairs (default: the preset's).")
+    parser.add_argument("--learning-rate", type=float, help="RL learning rate of every trainer (default 5e-4).")
+    parser.add_argument("--jobs", type=int, default=2, help="Runs in parallel, one fresh process each (default 2).")
+    return parser.parse_args(argv)
+
+
+def _run_all(context, jobs: int, function, items: list[dict], describe) -> list[dict]:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = {pool.submit(function, item): item for item in items}
+        outputs = []
+        for future in concurrent.futures.as_completed(futures):
+            output = future.result()
+            print(describe(output), flush=True)
+            outputs.append(output)
+    return outputs
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device, preset_name, preset = select_preset(args, PRESETS)
+    settings = {
+        "seeds": args.seeds or preset.seeds,
+        "sft_steps": args.sft_steps or preset.sft_steps,
+        "rl_steps": args.rl_steps or preset.rl_steps,
+        "num_eval_examples": args.num_eval_examples or preset.num_eval_examples,
+        "learning_rate": args.learning_rate or preset.learning_rate,
+        "sft_correct_fraction": 0.4,
+        "rl": RL_SETTINGS,
+    }
+    threads = args.threads if device == "cpu" else None
+    context = fresh_process_context(device)
+    started = time.perf_counter()
+    seeds = list(range(settings["seeds"]))
+
+    with tempfile.TemporaryDirectory(prefix="trl-diffusion-learning-") as scratch:
+        scratch = Path(scratch)
+        sft_jobs = [
+            {
+                "seed": seed,
+                "dir": str(scratch / f"seed{seed}"),
+                "sft_steps": settings["sft_steps"],
+                "num_eval_examples": settings["num_eval_examples"],
+                "threads": threads,
+            }
+            for seed in seeds
+        ]
+        sft_runs = sorted(
+            _run_all(
+                context,
+                args.jobs,
+                sft_job,
+                sft_jobs,
+                lambda r: f"seed {r['seed']}: SFT {r['sft_seconds']:.0f} s, held-out accuracy {r['accuracy']:.1%}",
+            ),
+            key=lambda run: run["seed"],
+        )
+        model = model_description(Path(sft_runs[0]["sft_dir"]))
+        rl_jobs = [
+            {
+                "trainer": name,
+                "seed": run["seed"],
+                "sft_dir": run["sft_dir"],
+                "output_dir": str(scratch / f"seed{run['seed']}" / name),
+                "rl_steps": settings["rl_steps"],
+                "learning_rate": settings["learning_rate"],
+                "num_eval_examples": settings["num_eval_examples"],
+                "device": device,
+                "threads": threads,
+            }
+            for run in sft_runs
+            for name in args.trainers
+        ]
+        rl_runs = _run_all(
+            context,
+            args.jobs,
+            rl_job,
+            rl_jobs,
+            lambda r: (
+                f"seed {r['seed']} {LABELS[r['trainer']]:>14}: {r['train_seconds']:.0f} s, final reward "
+                f"{r['rewards'][-1] if r['rewards'] else float('nan'):.2f}, held-out accuracy {r['accuracy']:.1%}"
+            ),
+        )
+
+    sft_mean, sft_std = _mean_std([run["accuracy"] for run in sft_runs])
+    sft = {
+        "accuracy_mean": sft_mean,
+        "accuracy_std": sft_std,
+        "runs": [{key: run[key] for key in ("seed", "accuracy", "sft_seconds")} for run in sft_runs],
+    }
+    results = {}
+    for name in args.trainers:
+        runs = sorted((run for run in rl_runs if run["trainer"] == name), key=lambda run: run["seed"])
+        accuracy_mean, accuracy_std = _mean_std([run["accuracy"] for run in runs])
+        results[name] = {
+            "trainer": name,
+            "objective": runs[0]["objective"],
+            "accuracy_mean": accuracy_mean,
+            "accuracy_std": accuracy_std,
+            "train_seconds_mean": statistics.fmean(run["train_seconds"] for run in runs),
+            "final_reward_mean": statistics.fmean(statistics.fmean(run["rewards"][-10:]) for run in runs),
+            "runs": [{key: run[key] for key in ("seed", "accuracy", "train_seconds", "rewards")} for run in runs],
+        }
+    elapsed = time.perf_counter() - started
+
+    def pm(mean: float, std: float) -> str:
+        return f"{100 * mean:.1f} ± {100 * std:.1f}"
+
+    rows = []
+    for name in args.trainers:
+        result = results[name]
+        rows.append(
+            [
+                LABELS[name],
+                pm(sft_mean, sft_std),
+                pm(result["accuracy_mean"], result["accuracy_std"]),
+                f"{100 * (result['accuracy_mean'] - sft_mean):+.1f}",
+                f"{result['final_reward_mean']:.2f}",
+                f"{result['train_seconds_mean']:.0f}",
+            ]
+        )
+    headers = [
+        "trainer",
+        "after SFT (%)",
+        "after RL (%)",
+        "change (points)",
+        "reward (last 10 steps)",
+        "wall s per run",
+    ]
+    table = format_table(headers, rows)
+    print("\n" + table + "\n")
+    print(
+        f"{len(seeds)} seeds, SFT {settings['sft_steps']} steps, RL {settings['rl_steps']} steps, "
+        f"{settings['num_eval_examples']} test pairs; total {elapsed:.0f} s wall with {args.jobs} jobs"
+    )
+
+    payload = {
+        "benchmark": "learning",
+        "preset": preset_name,
+        "machine": machine_info(device, threads),
+        "model": model,
+        "settings": {**settings, "trainers": args.trainers, "jobs": args.jobs},
+        "sft": sft,
+        "results": [results[name] for name in args.trainers],
+        "table": table,
+        "wall_seconds": elapsed,
+    }
+    return save_results(args, payload, plot, sft, results, args.trainers, settings)
+
+
+if __name__ == "__main__":
+    main()
