@@ -207,10 +207,7 @@ def test_off_policy_bgpo_is_a_lower_bound_of_vrpo_per_completion(make_trainer, d
         bgpo_objective = torch.stack([-bgpo._compute_loss(bgpo.model, row) for row in rows])
         bgpo._compute_loss(bgpo.model, batch)  # the whole batch: logs the bound metrics
         # The oracle, from the current and old terms under the same masks.
-        plan = bgpo.mask_plan(batch, 1)
-        d = (
-            bgpo._all_elbo_terms(bgpo.model, batch, plan) - batch["old_elbo_terms"][:, 1]
-        ).double() / COMPLETION_LENGTH
+        d = (bgpo._all_elbo_terms(bgpo.model, batch, 1) - batch["old_elbo_terms"][:, 1]).double() / COMPLETION_LENGTH
 
     advantages = advantages.double()
     unclipped_ratio = torch.where(advantages[:, None] >= 0, 1 + d, d.exp())

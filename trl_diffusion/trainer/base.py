@@ -501,6 +501,43 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         policies. Returns batch-first tensors to add to the batch. The base class needs nothing."""
         return {}
 
+    @torch.no_grad()
+    def old_and_reference_scores(self, inputs: dict, mode: str, score, name: str) -> dict:
+        """What the objective needs from the old policy (only when rollouts are reused) and the reference policy
+        (only when `beta != 0`), for every inner iteration, in chunks of the training micro-batch size.
+
+        Args:
+            inputs (`dict`):
+                The rollout batch.
+            mode (`str`):
+                `"train"` or `"eval"`.
+            score (`Callable[[model, chunk, iteration], torch.Tensor]`):
+                The per-row scores of one chunk of rows (a dict of the batch's row-aligned tensors) under one model.
+            name (`str`):
+                The scores are returned as `old_<name>` / `ref_<name>`, shape `(batch, num_iterations, ...)`.
+        """
+        needs = {"old": mode == "train" and self.is_off_policy, "ref": self.beta != 0.0}
+        policies = {"old": nullcontext(self.model), "ref": self.reference_model()}
+        num_rows = inputs["completion_canvas"].shape[0]
+        chunk_size = self.args.per_device_train_batch_size
+        row_aligned = [key for key, value in inputs.items() if torch.is_tensor(value) and value.dim() > 0]
+        row_aligned = [key for key in row_aligned if inputs[key].shape[0] == num_rows]
+        chunks = [
+            {key: inputs[key][start : start + chunk_size] for key in row_aligned}
+            for start in range(0, num_rows, chunk_size)
+        ]
+        scored = {}
+        for prefix, needed in needs.items():
+            if not needed:
+                continue
+            with policies[prefix] as model:
+                per_iteration = [
+                    torch.cat([score(model, chunk, iteration) for chunk in chunks])
+                    for iteration in range(self.num_iterations_for(mode))
+                ]
+            scored[f"{prefix}_{name}"] = torch.stack(per_iteration, dim=1)
+        return scored
+
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
         iteration = 0

@@ -74,35 +74,13 @@ class DiffuGRPOTrainer(DiffusionGRPOTrainer):
             return result[0][:, :num_scored], result[1][:, :num_scored]
         return result[:, :num_scored]
 
-    @torch.no_grad()
-    def _all_mean_field_logps(self, model, inputs: dict, iteration: int, num_scored: int) -> torch.Tensor:
-        chunk_size = self.args.per_device_train_batch_size
-        chunks = []
-        for start in range(0, inputs["completion_canvas"].shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            chunk = {
-                key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds")
-            }
-            chunks.append(self._mean_field_logps(model, chunk, iteration, num_scored))
-        return torch.cat(chunks)
-
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
-        needs_old = mode == "train" and self.is_off_policy
-        needs_ref = self.beta != 0.0
         num_scored = inputs["completion_ids"].shape[1]
-        old_logps, ref_logps = [], []
-        for iteration in range(self.num_iterations_for(mode)):
-            if needs_old:
-                old_logps.append(self._all_mean_field_logps(self.model, inputs, iteration, num_scored))
-            if needs_ref:
-                with self.reference_model() as reference:
-                    ref_logps.append(self._all_mean_field_logps(reference, inputs, iteration, num_scored))
-        scored = {}
-        if needs_old:
-            scored["old_mean_field_logps"] = torch.stack(old_logps, dim=1)
-        if needs_ref:
-            scored["ref_mean_field_logps"] = torch.stack(ref_logps, dim=1)
-        return scored
+
+        def score(model, chunk, iteration):
+            return self._mean_field_logps(model, chunk, iteration, num_scored)
+
+        return self.old_and_reference_scores(inputs, mode, score, "mean_field_logps")
 
     def _compute_loss(self, model, inputs):
         iteration = inputs["mc_iteration"]

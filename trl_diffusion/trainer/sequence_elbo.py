@@ -83,39 +83,13 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
         with self.accelerator.autocast():
             return elbo_term(model, self.adapter, prompt_ids, prompt_mask, canvas, plan, mc_index)
 
-    @torch.no_grad()
-    def _all_elbo_terms(self, model, inputs: dict, plan: MaskPlan) -> torch.Tensor:
-        """Every term of every row, `(batch, num_mc_samples)`, in chunks of the training micro-batch size."""
-        chunk_size = self.args.per_device_train_batch_size
-        num_rows = inputs["completion_canvas"].shape[0]
-        chunks = []
-        for start in range(0, num_rows, chunk_size):
-            rows = slice(start, start + chunk_size)
-            chunk = {key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_canvas")}
-            chunk_plan = plan.select(rows)
-            terms = [self.elbo_term(model, chunk, chunk_plan, j) for j in range(plan.num_mc_samples)]
-            chunks.append(torch.stack(terms, dim=1))
-        return torch.cat(chunks).float()
+    def _all_elbo_terms(self, model, chunk: dict, iteration: int) -> torch.Tensor:
+        """Every Monte Carlo term of every row of `chunk` for inner iteration `iteration`, `(rows, num_mc_samples)`."""
+        plan = self.mask_plan(chunk, iteration)
+        return torch.stack([self.elbo_term(model, chunk, plan, j) for j in range(plan.num_mc_samples)], dim=1).float()
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
-        needs_old = mode == "train" and self.is_off_policy
-        needs_ref = self.beta != 0.0
-        if not (needs_old or needs_ref):
-            return {}
-        old_terms, ref_terms = [], []
-        for iteration in range(self.num_iterations_for(mode)):
-            plan = self.mask_plan(inputs, iteration)
-            if needs_old:
-                old_terms.append(self._all_elbo_terms(self.model, inputs, plan))
-            if needs_ref:
-                with self.reference_model() as reference:
-                    ref_terms.append(self._all_elbo_terms(reference, inputs, plan))
-        scored = {}
-        if needs_old:
-            scored["old_elbo_terms"] = torch.stack(old_terms, dim=1)
-        if needs_ref:
-            scored["ref_elbo_terms"] = torch.stack(ref_terms, dim=1)
-        return scored
+        return self.old_and_reference_scores(inputs, mode, self._all_elbo_terms, "elbo_terms")
 
     @staticmethod
     def iteration_terms(inputs: dict, key: str) -> torch.Tensor | None:
