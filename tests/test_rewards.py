@@ -17,7 +17,7 @@ from trl_diffusion.rewards import (
     extract_code,
     format_reward,
     gsm8k_reward,
-    larger_number_reward,
+    largest_digit_reward,
     last_boxed,
     math_reward,
     parse_arithmetic,
@@ -37,7 +37,7 @@ def test_reward_registry_holds_exactly_the_reward_functions():
         "countdown_reward",
         "format_reward",
         "gsm8k_reward",
-        "larger_number_reward",
+        "largest_digit_reward",
         "math_reward",
         "soft_format_reward",
         "sudoku_reward",
@@ -380,8 +380,8 @@ def test_code_sandbox_blocks_network_processes_and_outside_writes(tmp_path, monk
     assert code_reward([socket_program], tests=[TESTS], timeout_seconds=10) == [0.0]
 
 
-def test_larger_number_reward_is_an_exact_match():
-    completions = ["82", " 82\n", "47", "82.0", "<answer>82</answer>", [{"role": "assistant", "content": "82"}], "82"]
-    answers = ["82"] * 6 + [None]
-    assert larger_number_reward(completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, None]
-    assert larger_number_reward(["82"]) == [None]
+def test_largest_digit_reward_is_an_exact_match():
+    completions = ["8", " 8\n", "6", "8.0", "88", "<answer>8</answer>", [{"role": "assistant", "content": "8"}], "8"]
+    answers = ["8"] * 7 + [None]
+    assert largest_digit_reward(completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, None]
+    assert largest_digit_reward(["8"]) == [None]

@@ -1,6 +1,7 @@
 """Tasks: procedural generators (reproducible, solvable, unique, disjoint splits), Hub loaders, registry, metrics."""
 
 import itertools
+from collections import Counter
 
 import evaluate
 import pytest
@@ -28,7 +29,7 @@ from trl_diffusion.tasks.countdown import countdown_key
 PROCEDURAL = ("countdown", "countdown4", "sudoku", "sudoku9")
 HUB = ("gsm8k", "math", "mbpp", "humaneval")
 # The demo task: a short prompt of its own instead of d1's layout instruction.
-DEMO = ("larger_number",)
+DEMO = ("largest_digit",)
 
 
 def answered(text):
@@ -342,16 +343,19 @@ def test_task_metrics_compute_and_combine():
     assert results == {"accuracy": 1.0, "format_rate": 0.5}
 
 
-def test_larger_number_splits_are_disjoint_reproducible_and_complete():
-    task = get_task("larger_number")
+def test_largest_digit_splits_are_disjoint_reproducible_and_balanced():
+    task = get_task("largest_digit")
     train, test = task.load("train"), task.load("test")
-    train_pairs, test_pairs = {tuple(row) for row in train["numbers"]}, {tuple(row) for row in test["numbers"]}
-    assert not train_pairs & test_pairs
-    assert len(train_pairs) + len(test_pairs) == 90 * 89 == len(train) + len(test)
-    assert 600 < len(test) < 1000
-    assert task.load("test", seed=3)["numbers"] == task.load("test", seed=3)["numbers"] != test["numbers"]
+    train_tuples, test_tuples = {tuple(row) for row in train["digits"]}, {tuple(row) for row in test["digits"]}
+    assert not train_tuples & test_tuples
+    assert len(train_tuples) == len(train) and len(test_tuples) == len(test) >= 400
+    for split in (train, test):
+        # As many rows per largest digit: a constant answer is right a quarter of the time, no more.
+        assert Counter(split["answer"]) == {digit: len(split) // 4 for digit in "6789"}
+        assert all(len(set(row)) == 5 and all(0 <= digit <= 9 for digit in row) for row in split["digits"])
+    assert task.load("test", seed=3)["digits"] == task.load("test", seed=3)["digits"] != test["digits"]
     row = test[0]
-    assert row["answer"] == str(max(row["numbers"])) and row["prompt"][0]["role"] == "user"
-    assert f"{row['numbers'][0]} and {row['numbers'][1]}" in row["prompt"][0]["content"]
-    with pytest.raises(ValueError, match="pairs"):
+    assert row["answer"] == str(max(row["digits"])) and row["prompt"][0]["role"] == "user"
+    assert row["prompt"][0]["content"] == "Largest of " + " ".join(map(str, row["digits"])) + "?"
+    with pytest.raises(ValueError, match="rows"):
         task.load("test", num_examples=5000)

@@ -1,12 +1,11 @@
 """The README's main job: a real BGPO training run on a CPU, in minutes, that visibly works.
 
 1. Build a tiny native LLaDA and a character-level tokenizer (no Hub).
-2. SFT it briefly with [`DiffusionSFTTrainer`] on the built-in `larger_number` task ("Larger of 47 and 82?"). The
-   SFT answers are the larger number only `--sft_correct_fraction` of the time (default 40%) and the first number
-   otherwise: the model learns the output format and a tempting wrong habit that is right half of the time, so
-   greedy decoding rarely beats answering the first number.
-3. Measure held-out accuracy (greedy diffusion decoding on test pairs, disjoint from training).
-4. Train with [`BGPOTrainer`] against the verifiable reward (1 for exactly the larger number).
+2. SFT it briefly with [`DiffusionSFTTrainer`] on the built-in `largest_digit` task ("Largest of 3 8 1 6 4?"),
+   answering with one of the listed digits drawn at random: the model learns the output format (one digit, copied
+   from the prompt) but not which digit, so it is rarely right.
+3. Measure held-out accuracy (greedy diffusion decoding on test prompts, disjoint from training).
+4. Train with [`BGPOTrainer`] against the verifiable reward (1 for exactly the largest digit).
 5. Measure held-out accuracy again, print the before/after table, write the reward curve as a PNG, save the model
    (loadable with `from_pretrained`), reload it, check the reloaded model scores what was printed, and print the
    command that pushes it to the Hub.
@@ -31,25 +30,20 @@ from .models import build_tiny_llada, build_tiny_tokenizer
 from .tasks import get_task
 from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
 
-TASK = "larger_number"
+TASK = "largest_digit"
 
 
-def sft_dataset(task_rows: Dataset, correct_fraction: float, seed: int) -> Dataset:
-    """Prompt/completion pairs whose completion is the larger number with probability `correct_fraction`, and the
-    first number otherwise (which is also right when the first number is the larger)."""
+def sft_dataset(task_rows: Dataset, seed: int) -> Dataset:
+    """Prompt/completion pairs whose completion is one of the prompt's digits, drawn uniformly: the format without
+    the skill (right a fifth of the time)."""
     rng = random.Random(seed)
-    completions = [
-        [{"role": "assistant", "content": answer if rng.random() < correct_fraction else str(numbers[0])}]
-        for numbers, answer in zip(task_rows["numbers"], task_rows["answer"])
-    ]
+    completions = [[{"role": "assistant", "content": str(rng.choice(digits))}] for digits in task_rows["digits"]]
     return Dataset.from_dict({"prompt": task_rows["prompt"], "completion": completions})
 
 
-def build_and_sft(
-    output_dir: Path, seed: int = 0, sft_steps: int = 1500, correct_fraction: float = 0.4, verbose: bool = True
-):
-    """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `larger_number` with
-    the first-number habit; saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train
+def build_and_sft(output_dir: Path, seed: int = 0, sft_steps: int = 600, verbose: bool = True):
+    """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `largest_digit` with
+    random listed digits as answers; saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train
     rows, SFT model directory)`; `benchmarks/learning.py` starts every trainer from that directory."""
     task = get_task(TASK)
     tokenizer = build_tiny_tokenizer()
@@ -77,7 +71,7 @@ def build_and_sft(
     sft = DiffusionSFTTrainer(
         model=str(base_dir),
         args=sft_args,
-        train_dataset=sft_dataset(train_rows, correct_fraction, seed),
+        train_dataset=sft_dataset(train_rows, seed),
         processing_class=tokenizer,
     )
     sft.train()
@@ -107,7 +101,7 @@ def reward_curve(log_history: list[dict], path: Path) -> None:
     axis.set_xlabel("BGPO optimiser step")
     axis.set_ylabel("mean reward of the rollouts")
     axis.set_ylim(0, 1)
-    axis.set_title("trl-diffusion demo: BGPO on larger_number (tiny LLaDA, CPU)")
+    axis.set_title("trl-diffusion demo: BGPO on largest_digit (tiny LLaDA, CPU)")
     axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path)
@@ -118,10 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="outputs/demo", help="Where models, logs and the plot are written.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the training runs.")
-    parser.add_argument("--sft_steps", type=int, default=1500, help="Optimiser steps of the SFT stage.")
-    parser.add_argument("--sft_correct_fraction", type=float, default=0.4, help="Share of right SFT answers.")
-    parser.add_argument("--rl_steps", type=int, default=300, help="BGPO optimiser steps.")
-    parser.add_argument("--rl_learning_rate", type=float, default=5e-4, help="BGPO learning rate.")
+    parser.add_argument("--sft_steps", type=int, default=600, help="Optimiser steps of the SFT stage.")
+    parser.add_argument("--rl_steps", type=int, default=600, help="BGPO optimiser steps.")
+    parser.add_argument("--rl_learning_rate", type=float, default=1e-3, help="BGPO learning rate.")
+    parser.add_argument("--rl_beta", type=float, default=0.04, help="KL coefficient towards the SFT model.")
     parser.add_argument("--rl_batch_size", type=int, default=64, help="Rollouts per BGPO step (8 per prompt).")
     parser.add_argument("--num_eval_examples", type=int, default=400, help="Held-out prompts (test split).")
     args = parser.parse_args(argv)
@@ -130,10 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     task = get_task(TASK)
     start = time.perf_counter()
 
-    sft, tokenizer, train_rows, sft_dir = build_and_sft(
-        output_dir, seed=args.seed, sft_steps=args.sft_steps, correct_fraction=args.sft_correct_fraction
-    )
-    print(f"[2/5] SFT: {args.sft_steps} steps, {args.sft_correct_fraction:.0%} of the answers right: {sft_dir}")
+    sft, tokenizer, train_rows, sft_dir = build_and_sft(output_dir, seed=args.seed, sft_steps=args.sft_steps)
+    print(f"[2/5] SFT: {args.sft_steps} steps on random listed digits as answers: {sft_dir}")
     common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": args.seed, "save_strategy": "no"}
 
     greedy = greedy_config(task)
@@ -151,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         return result["accuracy"]
 
     before = held_out_accuracy(sft.model)
-    print(f"[3/5] Held-out accuracy after SFT (greedy, {args.num_eval_examples} test pairs): {before:.1%}")
+    print(f"[3/5] Held-out accuracy after SFT (greedy, {args.num_eval_examples} test prompts): {before:.1%}")
 
     rl_args = BGPOConfig(
         output_dir=str(output_dir / "bgpo"),
@@ -164,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         diffusion_steps=task.max_completion_length,
         temperature=1.0,
         learning_rate=args.rl_learning_rate,
+        beta=args.rl_beta,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
         max_prompt_length=64,
@@ -192,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     elapsed = time.perf_counter() - start
 
     rows = [("after SFT", before), ("after SFT + BGPO", after), ("reloaded from disk", reloaded_accuracy)]
-    print(f"\n[5/5] Held-out accuracy on {args.num_eval_examples} test pairs (greedy decoding):")
+    print(f"\n[5/5] Held-out accuracy on {args.num_eval_examples} test prompts (greedy decoding):")
     print(f"  {'model':<22}{'accuracy':>10}")
     for name, value in rows:
         print(f"  {name:<22}{value:>10.1%}")
@@ -200,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"\nReward curve: {plot}\nModel: {final_dir} (AutoModelForCausalLM.from_pretrained, after `import trl_diffusion`)"
     )
-    print(f"Push it to the Hub: hf upload <your-username>/tiny-llada-bgpo-larger-number {final_dir}")
+    print(f"Push it to the Hub: hf upload <your-username>/tiny-llada-bgpo-largest-digit {final_dir}")
 
     summary = {
         "task": TASK,

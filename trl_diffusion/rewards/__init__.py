@@ -15,7 +15,7 @@ from .countdown import (
     score_countdown,
 )
 from .format_rewards import format_reward, soft_format_reward
-from .larger_number import larger_number_reward
+from .largest_digit import largest_digit_reward
 from .math_rewards import gsm8k_reward, math_reward, parse_gsm8k_answer
 from .sudoku import parse_grid, score_sudoku, sudoku_reward, sudoku_solved
 from .utils import completion_text, extract_answer, last_boxed
@@ -31,7 +31,7 @@ REWARD_FUNCS = {
         countdown_reward,
         format_reward,
         gsm8k_reward,
-        larger_number_reward,
+        largest_digit_reward,
         math_reward,
         soft_format_reward,
         sudoku_reward,
@@ -53,7 +53,7 @@ __all__ = [
     "extract_code",
     "format_reward",
     "gsm8k_reward",
-    "larger_number_reward",
+    "largest_digit_reward",
     "last_boxed",
     "math_reward",
     "parse_arithmetic",

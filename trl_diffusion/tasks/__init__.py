@@ -14,12 +14,12 @@ from .hub import (
     load_math,
     load_mbpp,
 )
-from .larger_number import load_larger_number
+from .largest_digit import load_largest_digit
 from .metrics import (
     CodePassRate,
     CountdownAccuracy,
     FormatRate,
-    LargerNumberAccuracy,
+    LargestDigitAccuracy,
     MathAccuracy,
     SudokuAccuracy,
 )
@@ -36,7 +36,7 @@ __all__ = [
     "CountdownAccuracy",
     "FormatRate",
     "HubDatasetUnavailableError",
-    "LargerNumberAccuracy",
+    "LargestDigitAccuracy",
     "MathAccuracy",
     "SudokuAccuracy",
     "Task",
@@ -51,7 +51,7 @@ __all__ = [
     "load_gsm8k",
     "load_hub_dataset",
     "load_humaneval",
-    "load_larger_number",
+    "load_largest_digit",
     "load_math",
     "load_mbpp",
     "load_sudoku",

@@ -16,7 +16,7 @@ from ..rewards import (
     countdown_accuracy,
     format_reward,
     gsm8k_reward,
-    larger_number_reward,
+    largest_digit_reward,
     math_reward,
     sudoku_reward,
     sudoku_solved,
@@ -175,16 +175,16 @@ class FormatRate(evaluate.Metric):
         return {"format_rate": _mean(format_reward(predictions))}
 
 
-class LargerNumberAccuracy(evaluate.Metric):
-    """Fraction of completions that are exactly the larger of the two numbers (`larger_number_reward`)."""
+class LargestDigitAccuracy(evaluate.Metric):
+    """Fraction of completions that are exactly the largest of the digits (`largest_digit_reward`)."""
 
     def _info(self) -> evaluate.MetricInfo:
         return _info(
             self.__doc__,
             {"predictions": datasets.Value("string"), "references": datasets.Value("string")},
-            "predictions: completion texts. references: the larger number, as text.\n"
+            "predictions: completion texts. references: the largest digit, as text.\n"
             "Returns: {'accuracy': fraction exactly right}.",
         )
 
     def _compute(self, predictions, references) -> dict[str, float]:
-        return {"accuracy": _mean(larger_number_reward(predictions, answer=references))}
+        return {"accuracy": _mean(largest_digit_reward(predictions, answer=references))}

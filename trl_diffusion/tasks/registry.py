@@ -16,15 +16,15 @@ from ..rewards import (
     countdown_reward,
     format_reward,
     gsm8k_reward,
-    larger_number_reward,
+    largest_digit_reward,
     math_reward,
     sudoku_reward,
     sudoku_solved,
 )
 from .countdown import load_countdown
 from .hub import load_gsm8k, load_humaneval, load_math, load_mbpp
-from .larger_number import load_larger_number
-from .metrics import CodePassRate, CountdownAccuracy, LargerNumberAccuracy, MathAccuracy, SudokuAccuracy
+from .largest_digit import load_largest_digit
+from .metrics import CodePassRate, CountdownAccuracy, LargestDigitAccuracy, MathAccuracy, SudokuAccuracy
 from .sudoku import load_sudoku
 
 
@@ -105,15 +105,15 @@ TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         Task(
-            name="larger_number",
-            description="Name the larger of two two-digit numbers (procedural): the built-in demo task.",
-            loader=load_larger_number,
-            reward_funcs=(larger_number_reward,),
-            accuracy_func=larger_number_reward,
-            metric_class=LargerNumberAccuracy,
+            name="largest_digit",
+            description="Name the largest of five distinct digits (procedural): the built-in demo task.",
+            loader=load_largest_digit,
+            reward_funcs=(largest_digit_reward,),
+            accuracy_func=largest_digit_reward,
+            metric_class=LargestDigitAccuracy,
             reference_columns=("answer",),
-            max_completion_length=8,
-            block_length=8,
+            max_completion_length=4,
+            block_length=4,
         ),
         Task(
             name="countdown",
