@@ -115,6 +115,14 @@ def build_model_dir(path: Path, size: ModelSize, seed: int = 0) -> Path:
     return path
 
 
+def random_model_dir(args: argparse.Namespace, scratch: Path, size: ModelSize) -> Path:
+    """`--model-dir`, built there first if it holds no model; without the flag, a fresh model in `scratch`."""
+    model_dir = args.model_dir or scratch / "model"
+    if not (model_dir / "config.json").is_file():
+        build_model_dir(model_dir, size)
+    return model_dir
+
+
 def model_description(model_dir: Path) -> dict:
     """Sizes and parameter count of a saved LLaDA, from its config (no weights loaded)."""
     config = LLaDAConfig.from_pretrained(model_dir)
@@ -301,12 +309,19 @@ def mib(num_bytes: float) -> float:
     return num_bytes / 2**20
 
 
-def benchmark_parser(description: str, name: str) -> argparse.ArgumentParser:
-    """An argument parser with what every benchmark takes: device, smoke size, model and output locations, threads."""
+MODEL_DIR_HELP = "Saved random-weight model to use; built there first if it has none."
+
+
+def benchmark_parser(
+    description: str, name: str, model_dir_help: str | None = MODEL_DIR_HELP
+) -> argparse.ArgumentParser:
+    """An argument parser with what every benchmark takes: device, smoke size, output location, threads, and (unless
+    `model_dir_help` is None) `--model-dir`."""
     parser = argparse.ArgumentParser(description=description, epilog="See benchmarks/README.md.")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, larger model.")
     parser.add_argument("--smoke", action="store_true", help="Smallest sizes (seconds): checks that the script runs.")
-    parser.add_argument("--model-dir", type=Path, help="Saved model to use; built there first if it has none.")
+    if model_dir_help is not None:
+        parser.add_argument("--model-dir", type=Path, help=model_dir_help)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="Where the JSON and PNG go.")
     parser.add_argument("--name", default=name, help="Stem of the output files.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process on the CPU (default 1).")

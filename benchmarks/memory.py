@@ -50,7 +50,6 @@ from _common import (
     MODEL_SIZES,
     RolloutSize,
     benchmark_parser,
-    build_model_dir,
     clock,
     format_table,
     fresh_process_context,
@@ -58,6 +57,7 @@ from _common import (
     make_trainer,
     mib,
     model_description,
+    random_model_dir,
     run_in_fresh_process,
     save_results,
     select_preset,
@@ -344,9 +344,7 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="trl-diffusion-memory-") as scratch:
         scratch = Path(scratch)
-        model_dir = args.model_dir or scratch / "model"
-        if not (model_dir / "config.json").is_file():
-            build_model_dir(model_dir, MODEL_SIZES[preset.model])
+        model_dir = random_model_dir(args, scratch, MODEL_SIZES[preset.model])
         job = {
             "model_dir": str(model_dir),
             "output_dir": str(scratch / "trainer"),

@@ -43,13 +43,13 @@ from _common import (
     TRAINERS,
     RolloutSize,
     benchmark_parser,
-    build_model_dir,
     clock,
     format_table,
     fresh_process_context,
     machine_info,
     make_trainer,
     model_description,
+    random_model_dir,
     run_in_fresh_process,
     save_results,
     select_preset,
@@ -256,9 +256,7 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="trl-diffusion-step-time-") as scratch:
         scratch = Path(scratch)
-        model_dir = args.model_dir or scratch / "model"
-        if not (model_dir / "config.json").is_file():
-            build_model_dir(model_dir, MODEL_SIZES[preset.model])
+        model_dir = random_model_dir(args, scratch, MODEL_SIZES[preset.model])
         job = {
             "model_dir": str(model_dir),
             "output_dir": str(scratch / "trainer"),
