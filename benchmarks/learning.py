@@ -1,15 +1,17 @@
 """Learning: all five trainers on the demo task with the same budget and seeds, held-out accuracy and reward curves.
 
 For each seed, the demo's first two stages run once (`trl_diffusion.demo.build_and_sft`): a tiny LLaDA SFT'd on
-`larger_number` with a deliberate first-number habit (40% of the SFT answers right). Every trainer then starts from
-that seed's SFT model with the same budget: the same optimiser steps, rollout batch (8 prompts x 8 completions),
-sampling temperature 1.0, learning rate (constant, no warm-up), gradient clipping and seed; `num_iterations=1` and
-`beta=0` everywhere, and otherwise each objective at its own defaults (DiffuGRPO: mean-field one-step likelihood;
-VRPO: n_t 4; BGPO: n_t 16; ESPO: 2 coupled pairs, sequence-level clipped ratio; LFPO: K 8 trajectory states,
-contrastive step 1.0). Held-out accuracy is greedy diffusion decoding (`trl_diffusion.evaluation.evaluate_task`)
-on the same test pairs for every model; the reward curve is each step's mean rollout reward.
+`largest_digit` with random listed digits as answers (the format without the skill). Every trainer then starts
+from that seed's SFT model with the demo's budget: the same optimiser steps, rollout batch (8 prompts x 8
+completions), sampling temperature 1.0, learning rate (constant, no warm-up), gradient clipping and seed;
+`num_iterations=1`, the demo's KL coefficient `beta=0.04` towards the SFT model (LFPO, which estimates no
+likelihood, has no KL term: `beta=0`, its EMA old policy anchors it), and otherwise each objective at its own
+defaults (DiffuGRPO: mean-field one-step likelihood; VRPO: n_t 4; BGPO: n_t 16; ESPO: 2 coupled pairs,
+sequence-level clipped ratio; LFPO: K 8 trajectory states, contrastive step 1.0). Held-out accuracy is greedy
+diffusion decoding (`trl_diffusion.evaluation.evaluate_task`) on the same test prompts for every model; the reward
+curve is each step's mean rollout reward.
 
-    python benchmarks/learning.py            # CPU defaults (3 seeds, SFT 1500 steps, RL 100 steps, 200 test pairs)
+    python benchmarks/learning.py            # CPU defaults (3 seeds, SFT 600 steps, RL 300 steps, 400 test prompts)
     python benchmarks/learning.py --smoke    # seconds: CI's check that the script runs
 
 Runs are spread over `--jobs` fresh processes (one torch thread each by default); the wall time of each trainer run
@@ -52,9 +54,10 @@ RL_SETTINGS = {
     "max_grad_norm": 1.0,
     "max_prompt_length": 64,
     "num_iterations": 1,
-    "beta": 0.0,
     "gradient_checkpointing": False,
 }
+# KL coefficient towards the SFT model, as in the demo; LFPO has no likelihood and so no KL term.
+BETA = {"d1": 0.04, "vrpo": 0.04, "bgpo": 0.04, "espo": 0.04, "lfpo": 0.0}
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "d1": ("p_mask_prompt",),
@@ -75,9 +78,9 @@ class Preset:
 
 
 PRESETS = {
-    "smoke": Preset(seeds=1, sft_steps=10, rl_steps=2, num_eval_examples=16, learning_rate=5e-4),
-    "cpu": Preset(seeds=3, sft_steps=1500, rl_steps=100, num_eval_examples=200, learning_rate=5e-4),
-    "gpu": Preset(seeds=3, sft_steps=1500, rl_steps=300, num_eval_examples=400, learning_rate=5e-4),
+    "smoke": Preset(seeds=1, sft_steps=10, rl_steps=2, num_eval_examples=16, learning_rate=1e-3),
+    "cpu": Preset(seeds=3, sft_steps=600, rl_steps=300, num_eval_examples=400, learning_rate=1e-3),
+    "gpu": Preset(seeds=3, sft_steps=600, rl_steps=600, num_eval_examples=796, learning_rate=1e-3),
 }
 
 
@@ -94,7 +97,7 @@ def _accuracy(model, tokenizer, num_examples: int) -> float:
         num_examples=num_examples,
         generation_config=greedy_config(task),
         batch_size=200,
-        seed=0,  # the same test pairs for every seed and trainer
+        seed=0,  # the same test prompts for every seed and trainer
         progress_bar=False,
     )
     return result["accuracy"]
@@ -108,7 +111,7 @@ def sft_job(job: dict) -> dict:
     set_threads(job["threads"])
     start = time.perf_counter()
     sft, tokenizer, _, sft_dir = build_and_sft(
-        Path(job["dir"]), seed=job["seed"], sft_steps=job["sft_steps"], correct_fraction=0.4, verbose=False
+        Path(job["dir"]), seed=job["seed"], sft_steps=job["sft_steps"], verbose=False
     )
     seconds = time.perf_counter() - start
     return {
@@ -145,6 +148,7 @@ def rl_job(job: dict) -> dict:
         use_cpu=job["device"] == "cpu",
         bf16=False,
         seed=seed,
+        beta=BETA[name],
         **RL_SETTINGS,
     )
     tokenizer = AutoTokenizer.from_pretrained(job["sft_dir"])
@@ -219,12 +223,12 @@ def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Pa
         )
     bars.set_xticks(list(positions), names, rotation=20, fontsize=8)
     bars.set_ylim(0, 1)
-    bars.set_ylabel(f"held-out accuracy, greedy ({settings['num_eval_examples']} test pairs)")
+    bars.set_ylabel(f"held-out accuracy, greedy ({settings['num_eval_examples']} test prompts)")
     bars.set_title(f"After {settings['rl_steps']} RL steps (mean ± std over seeds)", fontsize=10)
     bars.grid(True, axis="y", alpha=0.3)
     figure.suptitle(
-        f"larger_number, tiny LLaDA: SFT {settings['sft_steps']} steps, then each trainer with the same budget "
-        f"(batch 8x8, lr {settings['learning_rate']:g}, mu 1, beta 0)",
+        f"largest_digit, tiny LLaDA: SFT {settings['sft_steps']} steps, then each trainer with the same budget "
+        f"(batch 8x8, lr {settings['learning_rate']:g}, mu 1, beta 0.04; LFPO 0)",
         fontsize=11,
     )
     figure.tight_layout()
@@ -234,13 +238,13 @@ def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Pa
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = benchmark_parser(__doc__.split("\n\n")[0], "learning")
+    parser = benchmark_parser(__doc__.split("\n\n")[0], "learning", model_dir_help=None)
     parser.add_argument("--trainers", nargs="+", choices=tuple(TRAINERS), default=list(TRAINERS), help="Trainers.")
     parser.add_argument("--seeds", type=int, help="Number of seeds (0, 1, ...; default: the preset's, 3).")
     parser.add_argument("--sft-steps", type=int, help="SFT optimiser steps (default: the preset's).")
     parser.add_argument("--rl-steps", type=int, help="RL optimiser steps of every trainer (default: the preset's).")
-    parser.add_argument("--num-eval-examples", type=int, help="Held-out test pairs (default: the preset's).")
-    parser.add_argument("--learning-rate", type=float, help="RL learning rate of every trainer (default 5e-4).")
+    parser.add_argument("--num-eval-examples", type=int, help="Held-out test prompts (default: the preset's).")
+    parser.add_argument("--learning-rate", type=float, help="RL learning rate of every trainer (default 1e-3).")
     parser.add_argument("--jobs", type=int, default=2, help="Runs in parallel, one fresh process each (default 2).")
     return parser.parse_args(argv)
 
@@ -265,8 +269,8 @@ def main(argv=None) -> dict:
         "rl_steps": args.rl_steps or preset.rl_steps,
         "num_eval_examples": args.num_eval_examples or preset.num_eval_examples,
         "learning_rate": args.learning_rate or preset.learning_rate,
-        "sft_correct_fraction": 0.4,
         "rl": RL_SETTINGS,
+        "beta": BETA,
     }
     threads = args.threads if device == "cpu" else None
     context = fresh_process_context(device)
@@ -371,7 +375,7 @@ def main(argv=None) -> dict:
     print("\n" + table + "\n")
     print(
         f"{len(seeds)} seeds, SFT {settings['sft_steps']} steps, RL {settings['rl_steps']} steps, "
-        f"{settings['num_eval_examples']} test pairs; total {elapsed:.0f} s wall with {args.jobs} jobs"
+        f"{settings['num_eval_examples']} test prompts; total {elapsed:.0f} s wall with {args.jobs} jobs"
     )
 
     payload = {

@@ -1,24 +1,34 @@
-"""Sampler throughput: completion tokens per second of `trl_diffusion.generate`, by generation length and decoding.
+"""Sampler throughput: completion tokens per second of `trl_diffusion.generate`, by generation length and decoding,
+with the agreement of each setting's greedy output with the uncached fixed schedule's and its task accuracy.
 
-For each generation length, greedy decoding of a batch of procedural Countdown prompts (left-padded, truncated from
-the left to a fixed prompt length) with
+For each generation length L (128, 256 and 512 on the CPU), greedy decoding of a batch of test prompts of the built-in
+demo task `largest_digit` (chat template with the generation prompt, left-padded), blocks of 32, with
 
-- `fixed`: LLaDA's schedule, `steps = gen_length / 2` forward passes;
-- `threshold`: confidence-threshold parallel decoding (Fast-dLLM, threshold 0.9, at most `gen_length` steps);
+- `fixed`: LLaDA's schedule, `steps = L / 2` forward passes;
+- `threshold`: confidence-threshold parallel decoding (Fast-dLLM, threshold 0.9, at most L steps);
 
-and, when the sampler has a `cache` setting (`DiffusionGenerationConfig.cache`), each of its modes. Reported:
-seconds (median over repeats, after one untimed warm-up run per length), forward passes, tokens per forward pass,
-tokens per second and milliseconds per forward pass. Seconds are wall time on a GPU and process CPU time on the CPU
-(one torch thread; see `_common.clock`), so CPU figures are per CPU-second of one core. The repeats are rounds over
-all the settings of a length, so that a change of load on a shared machine hits every setting alike.
+each with every cache mode of the sampler (`DiffusionGenerationConfig.cache`: `none`, `prefix`, `dual`). Reported per
+setting: seconds (median over repeats, after one untimed warm-up run per length), forward passes, tokens per forward
+pass, tokens per second, milliseconds per forward pass, `speedup` (tokens per second over the uncached fixed
+schedule's at the same L), `agreement` (fraction of the completion tokens equal to the uncached fixed schedule's
+greedy output at the same L) and `accuracy` (the task's `accuracy_func` on the completions cut after their terminator
+and decoded without special tokens, as `trl_diffusion.evaluation.evaluate_task` scores them). Seconds are wall time
+on a GPU and process CPU time on the CPU (one torch thread; see `_common.clock`), so CPU figures are per CPU-second of
+one core. The repeats are rounds over all the settings of a length, so that a change of load on a shared machine hits
+every setting alike.
 
-The weights are random, so the model is never confident: threshold decoding then commits one token per step and
-runs its upper bound of `gen_length` steps. Its tokens per second measure the mechanics, not the speed-up a trained
-model gets; compare cache modes by milliseconds per forward pass.
+The model: on the CPU, the demo's SFT stage (`trl_diffusion.demo.build_and_sft`: the tiny LLaDA, 600 steps on
+`largest_digit`), so that confidences are a trained model's and accuracy means something. That SFT pads completions
+to the task's 4-token canvas only, so on these longer canvases the model is confident about its answer and the
+end-of-turn after it but rarely about the positions beyond: threshold decoding commits few tokens per step there. On
+a GPU, a ~318M-parameter LLaDA with random weights (bfloat16): its accuracy is reported but meaningless (the JSON
+says `"trained_on_task": false`), and threshold decoding runs its upper bound of L steps. `--model-dir` measures a
+saved model instead, e.g. `outputs/demo/model`, the RL-trained model that `make demo` writes.
 
-    python benchmarks/throughput.py                 # CPU, small model
-    python benchmarks/throughput.py --device cuda   # one GPU, ~318M-parameter model in bfloat16
-    python benchmarks/throughput.py --smoke         # seconds: CI's check that the script runs
+    python benchmarks/throughput.py                                   # CPU, the demo's SFT model (~5 min)
+    python benchmarks/throughput.py --model-dir outputs/demo/model    # the model `make demo` trains
+    python benchmarks/throughput.py --device cuda                     # one GPU, ~318M parameters, random weights
+    python benchmarks/throughput.py --smoke                           # seconds: CI's check that the script runs
 
 Writes `<output-dir>/<name>.json` and `<name>.png` (default `benchmarks/results/throughput.*`).
 """
@@ -26,7 +36,6 @@ Writes `<output-dir>/<name>.json` and `<name>.png` (default `benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -40,7 +49,6 @@ from _common import (
     benchmark_parser,
     build_model_dir,
     clock,
-    countdown_dataset,
     format_table,
     machine_info,
     model_description,
@@ -50,55 +58,51 @@ from _common import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_diffusion import generation
-from trl_diffusion.generation import DiffusionGenerationConfig, generate
+from trl_diffusion.demo import build_and_sft
+from trl_diffusion.generation import CACHE_MODES, DiffusionGenerationConfig, cut_at_terminator, generate
 from trl_diffusion.models import DiffusionAdapter
+from trl_diffusion.tasks import get_task
 
+TASK = "largest_digit"
 THRESHOLD = 0.9
+DECODINGS = ("fixed", "threshold")
+# The reference of `speedup` and `agreement` at each length.
+BASELINE = ("fixed", "none")
 
 
 @dataclass(frozen=True)
 class Preset:
-    model: str
     rows: int
-    prompt_length: int
     gen_lengths: tuple[int, ...]
     block_length: int
     repeats: int  # timed runs per setting
+    sft_steps: int | None  # the demo's SFT stage; None: the random-weight model of MODEL_SIZES["gpu"]
+    # The SFT canvas: longer than the task's 4 tokens, so the model learns to fill a canvas with end-of-turn
+    sft_completion_length: int | None = None
 
 
 PRESETS = {
-    "smoke": Preset("smoke", rows=2, prompt_length=16, gen_lengths=(16,), block_length=8, repeats=1),
-    "cpu": Preset("cpu", rows=4, prompt_length=64, gen_lengths=(64, 128), block_length=32, repeats=5),
-    "gpu": Preset("gpu", rows=8, prompt_length=128, gen_lengths=(256, 512), block_length=32, repeats=1),
+    "smoke": Preset(rows=2, gen_lengths=(16,), block_length=8, repeats=1, sft_steps=5, sft_completion_length=8),
+    "cpu": Preset(
+        rows=8, gen_lengths=(128, 256, 512), block_length=32, repeats=3, sft_steps=600, sft_completion_length=32
+    ),
+    "gpu": Preset(rows=8, gen_lengths=(128, 256, 512), block_length=32, repeats=1, sft_steps=None),
 }
 
 
-def cache_modes() -> tuple[str | None, ...]:
-    """The sampler's cache modes, or `(None,)` when `DiffusionGenerationConfig` has no `cache` field."""
-    if "cache" not in {field.name for field in dataclasses.fields(DiffusionGenerationConfig)}:
-        return (None,)
-    return tuple(getattr(generation, "CACHE_MODES", ("none", "prefix", "dual")))
-
-
-def prompt_batch(tokenizer, rows: int, prompt_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Countdown chat prompts, left-padded, keeping the last `prompt_length` tokens of the longest."""
-    dataset, _ = countdown_dataset(rows)
+def prompt_batch(task, tokenizer, rows: int, device):
+    """The first `rows` test prompts of the task (and their dataset rows), chat template applied, left-padded."""
+    dataset = task.load("test", num_examples=rows)
+    tokenizer.padding_side = "left"  # the sampler takes left-padded prompts
     batch = tokenizer.apply_chat_template(
         list(dataset["prompt"]), add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
     )
-    return batch["input_ids"][:, -prompt_length:].to(device), batch["attention_mask"][:, -prompt_length:].to(device)
+    return dataset, batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
 
-def decoding_config(gen_length: int, block_length: int, decoding: str, cache: str | None) -> DiffusionGenerationConfig:
-    settings = {"gen_length": gen_length, "block_length": block_length}
-    if decoding == "fixed":
-        settings["steps"] = gen_length // 2
-    else:
-        settings["threshold"] = THRESHOLD
-    if cache is not None:
-        settings["cache"] = cache
-    return DiffusionGenerationConfig(**settings)
+def decoding_config(gen_length: int, block_length: int, decoding: str, cache: str) -> DiffusionGenerationConfig:
+    schedule = {"steps": gen_length // 2} if decoding == "fixed" else {"threshold": THRESHOLD}
+    return DiffusionGenerationConfig(gen_length=gen_length, block_length=block_length, cache=cache, **schedule)
 
 
 def timed_generate(model, input_ids, attention_mask, config, adapter, device: str):
@@ -107,7 +111,42 @@ def timed_generate(model, input_ids, attention_mask, config, adapter, device: st
     return clock(device) - start, output
 
 
-def plot(results: list[dict], device: str, path: Path) -> None:
+def task_accuracy(task, tokenizer, dataset, completion_ids: torch.Tensor, terminator_ids) -> float:
+    """The task's accuracy on completions cut after their first terminator and decoded without special tokens, as
+    `evaluate_task` scores them."""
+    cut = cut_at_terminator(completion_ids, terminator_ids)
+    texts = tokenizer.batch_decode(cut, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    columns = {name: list(dataset[name]) for name in dataset.column_names if name != "prompt"}
+    correct = task.accuracy_func(
+        prompts=list(dataset["prompt"]), completions=completions, completion_ids=cut, **columns
+    )
+    return sum(correct) / len(correct)
+
+
+def load_model(args, preset: Preset, device: str, scratch: Path):
+    """The measured model and tokenizer, its description, and whether it was trained on the task (None: a given
+    model, unknown)."""
+    if args.model_dir is not None:
+        model_dir, source, trained_on_task = args.model_dir, f"model {args.model_dir}", None
+    elif preset.sft_steps is not None:
+        print(f"SFT of the demo's tiny LLaDA on {TASK} ({preset.sft_steps} steps)")
+        *_, model_dir = build_and_sft(
+            scratch, seed=0, sft_steps=preset.sft_steps, completion_length=preset.sft_completion_length, verbose=False
+        )
+        source = f"the demo's SFT, {preset.sft_steps} steps, canvas {preset.sft_completion_length}"
+        trained_on_task = True
+    else:
+        model_dir = build_model_dir(scratch / "model", MODEL_SIZES["gpu"])
+        source, trained_on_task = "random weights", False
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    description = {**model_description(model_dir), "dtype": str(dtype).removeprefix("torch."), "source": source}
+    return model, tokenizer, description, trained_on_task
+
+
+def plot(results: list[dict], device: str, model_source: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,26 +156,30 @@ def plot(results: list[dict], device: str, path: Path) -> None:
     groups = list(dict.fromkeys((r["gen_length"], r["decoding"]) for r in measured))
     caches = list(dict.fromkeys(r["cache"] for r in measured))
     width = 0.8 / len(caches)
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     per = "CPU-second" if device == "cpu" else "second"
-    panels = [
-        ("tokens_per_second", f"completion tokens per {per}", "{:,.0f}"),
-        ("ms_per_forward", f"{'CPU ' if device == 'cpu' else ''}ms per forward pass", "{:.1f}"),
-    ]
-    for axis, (metric, ylabel, label_format) in zip(axes, panels):
-        for index, cache in enumerate(caches):
-            values = {(r["gen_length"], r["decoding"]): r[metric] for r in measured if r["cache"] == cache}
-            positions = [group_index + (index - (len(caches) - 1) / 2) * width for group_index in range(len(groups))]
-            heights = [values.get(group, 0.0) for group in groups]
-            bars = axis.bar(positions, heights, width=width * 0.95, label=f"cache {cache}")
-            axis.bar_label(bars, fmt=label_format, fontsize=7, padding=1)
+    for index, cache in enumerate(caches):
+        by_group = {(r["gen_length"], r["decoding"]): r for r in measured if r["cache"] == cache}
+        positions = [group_index + (index - (len(caches) - 1) / 2) * width for group_index in range(len(groups))]
+        present = [(position, by_group[group]) for position, group in zip(positions, groups) if group in by_group]
+        x = [position for position, _ in present]
+        bars = axes[0].bar(x, [r["tokens_per_second"] for _, r in present], width=width * 0.95, label=f"cache {cache}")
+        axes[0].bar_label(bars, fmt="{:,.0f}", fontsize=7, padding=1)
+        color = bars.patches[0].get_facecolor() if bars.patches else None
+        bars = axes[1].bar(x, [r["accuracy"] for _, r in present], width=width * 0.95, color=color)
+        axes[1].bar_label(bars, fmt="{:.0%}", fontsize=7, padding=1)
+        axes[1].plot(x, [r["agreement"] for _, r in present], "k.", markersize=6)
+    for axis in axes:
         axis.set_xticks(range(len(groups)), [f"L={length}\n{decoding}" for length, decoding in groups])
-        axis.set_ylabel(ylabel)
         axis.grid(True, axis="y", alpha=0.3)
-        if len(caches) > 1:
-            axis.legend(fontsize=8)
-    axes[0].set_title("Sampler throughput (greedy; random weights)", fontsize=11)
-    axes[1].set_title("Cost of one denoising step", fontsize=11)
+    axes[0].set_ylabel(f"completion tokens per {per}")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title(f"Sampler throughput (greedy; {model_source})", fontsize=11)
+    axes[1].plot([], [], "k.", markersize=6, label="agreement with fixed, no cache")
+    axes[1].set_ylim(0, 1.1)
+    axes[1].set_ylabel("task accuracy (bars), token agreement (dots)")
+    axes[1].legend(fontsize=8, loc="lower right")
+    axes[1].set_title(f"{TASK} accuracy and agreement with the uncached fixed schedule", fontsize=11)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -144,12 +187,16 @@ def plot(results: list[dict], device: str, path: Path) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = benchmark_parser(__doc__.split("\n\n")[0], "throughput")
+    parser = benchmark_parser(
+        __doc__.split("\n\n")[0],
+        "throughput",
+        model_dir_help="Saved model to measure (default: the demo's SFT model on the CPU, random weights on a GPU).",
+    )
     parser.add_argument("--gen-lengths", nargs="+", type=int, help="Generation lengths (default: the preset's).")
     parser.add_argument(
         "--repeats",
         type=int,
-        help="Timed rounds over the settings, medians reported (default: the preset's, 5 on CPU).",
+        help="Timed rounds over the settings, medians reported (default: the preset's, 3 on CPU).",
     )
     return parser.parse_args(argv)
 
@@ -161,31 +208,27 @@ def main(argv=None) -> dict:
     repeats = args.repeats or preset.repeats
     set_threads(args.threads if device == "cpu" else None)
     started = time.perf_counter()
+    task = get_task(TASK)
 
     with tempfile.TemporaryDirectory(prefix="trl-diffusion-throughput-") as scratch:
-        model_dir = args.model_dir or Path(scratch) / "model"
-        if not (model_dir / "config.json").is_file():
-            build_model_dir(model_dir, MODEL_SIZES[preset.model])
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model_info = model_description(model_dir)
+        model, tokenizer, model_info, trained_on_task = load_model(args, preset, device, Path(scratch))
     adapter = DiffusionAdapter.from_model(model, tokenizer)
-    input_ids, attention_mask = prompt_batch(tokenizer, preset.rows, preset.prompt_length, device)
+    dataset, input_ids, attention_mask = prompt_batch(task, tokenizer, preset.rows, device)
 
-    results = []
+    results, summary = [], []
     for gen_length in gen_lengths:
-        warm_up = decoding_config(gen_length, preset.block_length, "fixed", None)
+        warm_up = decoding_config(gen_length, preset.block_length, *BASELINE)
         timed_generate(model, input_ids, attention_mask, warm_up, adapter, device)
         settings = []  # (result entry, config, timed seconds)
-        for decoding in ("fixed", "threshold"):
-            for cache in cache_modes():
-                entry = {"gen_length": gen_length, "decoding": decoding, "cache": cache or "n/a"}
+        for decoding in DECODINGS:
+            for cache in CACHE_MODES:
+                entry = {"gen_length": gen_length, "decoding": decoding, "cache": cache}
                 results.append(entry)
                 try:
                     settings.append((entry, decoding_config(gen_length, preset.block_length, decoding, cache), []))
                 except ValueError as error:  # a combination the sampler refuses
                     entry["skipped"] = str(error)
+        completions = {}  # greedy: every round decodes the same completion, kept from the first
         # Rounds over all settings rather than repeats of one: a change of load hits every setting alike.
         for _ in range(repeats):
             for entry, config, seconds in settings:
@@ -197,43 +240,55 @@ def main(argv=None) -> dict:
                     entry["failed"] = f"{type(error).__name__}: {error}"
                     continue
                 seconds.append(elapsed)
+                completions.setdefault((entry["decoding"], entry["cache"]), output.completion_ids)
                 entry.update(forward_passes=output.num_forward_passes, tokens_per_forward=output.tokens_per_forward)
+        baseline = next(entry for entry, _, _ in settings if (entry["decoding"], entry["cache"]) == BASELINE)
         for entry, _, seconds in settings:
             if "failed" in entry:
                 print(f"L={gen_length} {entry['decoding']:<9} cache {entry['cache']:<6}: failed ({entry['failed']})")
                 continue
             median = statistics.median(seconds)
+            completion_ids = completions[entry["decoding"], entry["cache"]]
             entry.update(
                 seconds=round(median, 4),
                 tokens_per_forward=round(entry["tokens_per_forward"], 3),
                 tokens_per_second=round(preset.rows * gen_length / median, 1),
                 ms_per_forward=round(1000 * median / entry["forward_passes"], 3),
+                agreement=round((completion_ids == completions[BASELINE]).float().mean().item(), 4),
+                accuracy=task_accuracy(task, tokenizer, dataset, completion_ids, adapter.terminator_ids),
                 runs=[round(value, 4) for value in seconds],
             )
-            print(
-                f"L={gen_length} {entry['decoding']:<9} cache {entry['cache']:<6}: "
-                f"{entry['tokens_per_second']:9.1f} tok/s, {entry['forward_passes']} forwards, "
-                f"{entry['ms_per_forward']:.2f} ms/forward"
-            )
+        for entry, _, _ in settings:
+            if "seconds" in entry:
+                entry["speedup"] = round(entry["tokens_per_second"] / baseline["tokens_per_second"], 2)
+                print(
+                    f"L={gen_length} {entry['decoding']:<9} cache {entry['cache']:<6}: "
+                    f"{entry['tokens_per_second']:9.1f} tok/s ({entry['speedup']:.2f}x), "
+                    f"{entry['forward_passes']} forwards, {entry['ms_per_forward']:.2f} ms/forward, "
+                    f"agreement {entry['agreement']:.4f}, accuracy {entry['accuracy']:.0%}"
+                )
+        cached_threshold = [
+            entry
+            for entry, _, _ in settings
+            if "seconds" in entry and entry["decoding"] == "threshold" and entry["cache"] != "none"
+        ]
+        if cached_threshold:
+            best = max(cached_threshold, key=lambda entry: entry["speedup"])
+            summary.append({key: best[key] for key in ("gen_length", "cache", "speedup", "agreement", "accuracy")})
 
     elapsed = time.perf_counter() - started
     cpu = "CPU " if device == "cpu" else ""
     per = "CPU-s" if device == "cpu" else "s"
-    headers = [
-        "L",
-        "decoding",
-        "cache",
-        "forwards",
-        "tokens/forward",
-        f"tokens/{per}",
-        f"{cpu}ms/forward",
-        f"{cpu}seconds",
-    ]
+    headers = ["L", "decoding", "cache", "forwards", "tokens/forward", f"tokens/{per}", "speedup"]
+    headers += [f"{cpu}ms/forward", f"{cpu}seconds", "agreement", "accuracy"]
     rows = [
         [r["gen_length"], r["decoding"], r["cache"], r["forward_passes"], r["tokens_per_forward"]]
-        + [r["tokens_per_second"], r["ms_per_forward"], r["seconds"]]
+        + [r["tokens_per_second"], f"{r['speedup']:.2f}x", r["ms_per_forward"], r["seconds"], f"{r['agreement']:.4f}"]
+        + [f"{r['accuracy']:.1%}"]
         if "seconds" in r
-        else [r["gen_length"], r["decoding"], r["cache"], "-", "-", "-", "-", "failed" if "failed" in r else "skipped"]
+        else [r["gen_length"], r["decoding"], r["cache"]]
+        + ["-"] * 5
+        + ["failed" if "failed" in r else "skipped", "-", "-"]
         for r in results
     ]
     table = format_table(headers, rows)
@@ -243,24 +298,34 @@ def main(argv=None) -> dict:
             if outcome in result:
                 setting = f"L={result['gen_length']} {result['decoding']} cache {result['cache']}"
                 print(f"{outcome} {setting}: {result[outcome]}")
+    for best in summary:
+        print(
+            f"L={best['gen_length']}: cache + threshold at best {best['speedup']:.2f}x the tokens per {per} of the "
+            f"uncached fixed schedule (cache {best['cache']}), agreement {best['agreement']:.4f}, accuracy "
+            f"{best['accuracy']:.1%} on {preset.rows} {TASK} test prompts"
+        )
     print(f"total {elapsed:.0f} s")
 
     payload = {
         "benchmark": "throughput",
         "preset": preset_name,
         "machine": machine_info(device),
-        "model": {**model_info, "dtype": str(dtype).removeprefix("torch.")},
+        "model": model_info,
+        "trained_on_task": trained_on_task,
+        "task": TASK,
         "batch": {"rows": preset.rows, "prompt_length": int(input_ids.shape[1]), "block_length": preset.block_length},
         "threshold": THRESHOLD,
+        "baseline": {"decoding": BASELINE[0], "cache": BASELINE[1]},
         "clock": CLOCK_NAMES[device],
-        "cache_modes": [mode or "n/a" for mode in cache_modes()],
+        "cache_modes": list(CACHE_MODES),
         "repeats": repeats,
         "preset_settings": asdict(preset),
         "results": results,
+        "cache_threshold_best": summary,
         "table": table,
         "seconds": round(elapsed, 1),
     }
-    save_results(args, payload, plot, results, device)
+    save_results(args, payload, plot, results, device, model_info["source"])
     failed = [result for result in results if "failed" in result]
     if failed:
         raise RuntimeError(f"{len(failed)} sampler setting(s) failed (recorded in {args.name}.json): {failed}")

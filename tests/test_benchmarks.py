@@ -97,6 +97,12 @@ def test_throughput_smoke(tmp_path):
     for result in measured:
         assert result["tokens_per_second"] > 0 and result["forward_passes"] > 0
         assert result["tokens_per_forward"] == pytest.approx(result["gen_length"] / result["forward_passes"])
+        assert 0 <= result["agreement"] <= 1 and 0 <= result["accuracy"] <= 1
+    baseline = next(result for result in measured if (result["decoding"], result["cache"]) == ("fixed", "none"))
+    assert baseline["speedup"] == 1 and baseline["agreement"] == 1
+    # Without --model-dir the CPU presets measure the demo's SFT model.
+    assert payload["trained_on_task"] is True and payload["task"] == "largest_digit"
+    assert [best["gen_length"] for best in payload["cache_threshold_best"]] == [16]
 
 
 def test_learning_smoke(tmp_path):
@@ -104,7 +110,13 @@ def test_learning_smoke(tmp_path):
     payload = load_outputs(tmp_path, "learning")
     settings = payload["settings"]
     assert settings["seeds"] == 1 and settings["rl_steps"] == 2 and settings["num_eval_examples"] == 16
-    assert settings["rl"]["num_iterations"] == 1 and settings["rl"]["beta"] == 0.0
+    assert settings["rl"]["num_iterations"] == 1 and settings["beta"] == {
+        "d1": 0.04,
+        "vrpo": 0.04,
+        "bgpo": 0.04,
+        "espo": 0.04,
+        "lfpo": 0.0,
+    }
     assert settings["rl"]["per_device_train_batch_size"] == 64 and settings["rl"]["num_generations"] == 8
     assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
     assert [run["seed"] for run in payload["sft"]["runs"]] == [0]

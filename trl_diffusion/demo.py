@@ -41,10 +41,14 @@ def sft_dataset(task_rows: Dataset, seed: int) -> Dataset:
     return Dataset.from_dict({"prompt": task_rows["prompt"], "completion": completions})
 
 
-def build_and_sft(output_dir: Path, seed: int = 0, sft_steps: int = 600, verbose: bool = True):
+def build_and_sft(
+    output_dir: Path, seed: int = 0, sft_steps: int = 600, completion_length: int | None = None, verbose: bool = True
+):
     """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `largest_digit` with
-    random listed digits as answers; saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train
-    rows, SFT model directory)`; `benchmarks/learning.py` starts every trainer from that directory."""
+    random listed digits as answers, on a canvas of `completion_length` tokens (default: the task's 4, end-of-turn
+    after the digit); saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train rows,
+    SFT model directory)`; `benchmarks/learning.py` starts every trainer from that directory and
+    `benchmarks/throughput.py` measures the sampler on an SFT model with a longer canvas."""
     task = get_task(TASK)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_llada(tokenizer, d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=256, seed=seed)
@@ -61,7 +65,7 @@ def build_and_sft(output_dir: Path, seed: int = 0, sft_steps: int = 600, verbose
         per_device_train_batch_size=64,
         learning_rate=3e-3,
         lr_scheduler_type="constant",
-        completion_length=task.max_completion_length,
+        completion_length=completion_length or task.max_completion_length,
         logging_steps=100,
         gradient_checkpointing=False,
         disable_tqdm=None if verbose else True,

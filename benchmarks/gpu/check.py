@@ -5,7 +5,7 @@ The model is a native LLaDA of ~318M parameters (d_model 1024, 24 blocks, 16 hea
 
 1. `benchmarks/memory.py --device cuda`: peak CUDA memory and bytes saved for backward of one training step against
    n (VRPO, BGPO, ESPO, LFPO) at n in {1, 4, 16, 32, 64} (VRPO up to 32, ESPO up to 16 pairs);
-2. `benchmarks/throughput.py --device cuda`: sampler tokens per second at generation lengths 256 and 512, fixed
+2. `benchmarks/throughput.py --device cuda`: sampler tokens per second at generation lengths 128, 256 and 512, fixed
    schedule and threshold decoding, each cache mode of the sampler (bfloat16);
 3. `benchmarks/step_time.py --device cuda`: generation / scoring / update time per optimiser step of every trainer.
 
