@@ -18,15 +18,15 @@ one core. The repeats are rounds over all the settings of a length, so that a ch
 every setting alike.
 
 The model: on the CPU, the demo's SFT stage (`trl_diffusion.demo.build_and_sft`: the tiny LLaDA, 600 steps on
-`largest_digit`), so that confidences are a trained model's and accuracy means something. That SFT pads completions
-to the task's 4-token canvas only, so on these longer canvases the model is confident about its answer and the
-end-of-turn after it but rarely about the positions beyond: threshold decoding commits few tokens per step there. On
-a GPU, a ~318M-parameter LLaDA with random weights (bfloat16): its accuracy is reported but meaningless (the JSON
-says `"trained_on_task": false`), and threshold decoding runs its upper bound of L steps. `--model-dir` measures a
-saved model instead, e.g. `outputs/demo/model`, the RL-trained model that `make demo` writes.
+`largest_digit`) on a 32-token canvas, so that its confidences are a trained model's: like a trained LLaDA, it knows
+that the canvas after its answer is end-of-turn, which is what threshold decoding commits in parallel. Its answers
+are the demo's SFT answers (a listed digit, not the largest), so accuracy shows whether a setting changes answers,
+not that the model solves the task. On a GPU, a ~318M-parameter LLaDA with random weights (bfloat16): its accuracy
+is reported but meaningless (the JSON says `"trained_on_task": false`), and threshold decoding runs its upper bound
+of L steps. `--model-dir` measures a saved model instead.
 
     python benchmarks/throughput.py                                   # CPU, the demo's SFT model (~5 min)
-    python benchmarks/throughput.py --model-dir outputs/demo/model    # the model `make demo` trains
+    python benchmarks/throughput.py --model-dir DIR                   # a saved model
     python benchmarks/throughput.py --device cuda                     # one GPU, ~318M parameters, random weights
     python benchmarks/throughput.py --smoke                           # seconds: CI's check that the script runs
 

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output_dir", default="outputs/demo", help="Where models, logs and the plot are written.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the training runs.")
     parser.add_argument("--sft_steps", type=int, default=600, help="Optimiser steps of the SFT stage.")
-    parser.add_argument("--rl_steps", type=int, default=600, help="BGPO optimiser steps.")
+    parser.add_argument("--rl_steps", type=int, default=800, help="BGPO optimiser steps.")
     parser.add_argument("--rl_learning_rate", type=float, default=1e-3, help="BGPO learning rate.")
     parser.add_argument("--rl_beta", type=float, default=0.04, help="KL coefficient towards the SFT model.")
     parser.add_argument("--rl_batch_size", type=int, default=64, help="Rollouts per BGPO step (8 per prompt).")
