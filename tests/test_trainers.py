@@ -32,6 +32,8 @@ from helpers import (
     completion_texts,
     cpu_argv,
     distinct_chars,
+    gradients,
+    rollout_batch,
     save_checkpoint,
     say_dataset,
     tiny_grpo_config,
@@ -174,6 +176,37 @@ def test_train_end_to_end(name, case, tiny_llada_dir, tmp_path):
         # Before the first update the policy is its reference (same masks): KL 0; after it, KL > 0.
         assert abs(logs[0]["kl"]) < 1e-5
         assert logs[-1]["kl"] > 0
+
+
+def test_diffu_grpo_with_completions_padded_wider_than_the_canvas(tiny_llada_dir, tmp_path):
+    """`pad_to_multiple_of=16` with an 8-token canvas: TRL's completions are 16 wide. The 8 columns past the canvas
+    are padding (outside the completion mask), so the loss and its gradient are those of the batch without them; and
+    a run with stored old and reference log-probs (mu = 2, beta > 0) trains."""
+    args = make_args("d1", tmp_path, pad_to_multiple_of=16, num_iterations=2, beta=0.04)
+    trainer = make_trainer("d1", tiny_llada_dir, args)
+    inputs = {**rollout_batch(trainer), "mc_iteration": 1}
+    length = args.max_completion_length
+    assert inputs["completion_ids"].shape[1] == 16 and inputs["old_mean_field_logps"].shape[2] == 16
+    assert not inputs["completion_mask"][:, length:].any()
+    unpadded = dict(inputs)
+    for key in ("completion_ids", "completion_mask"):
+        unpadded[key] = inputs[key][:, :length]
+    for key in ("old_mean_field_logps", "ref_mean_field_logps"):
+        unpadded[key] = inputs[key][:, :, :length]
+    results = []
+    for batch in (inputs, unpadded):
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, batch)
+        loss.backward()
+        results.append((loss.detach(), gradients(trainer.model)))
+    (loss, grads), (expected_loss, expected_grads) = results
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    trainer.train()
+    assert trainer.state.global_step == args.max_steps
+    assert_all_finite(train_logs(trainer))
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

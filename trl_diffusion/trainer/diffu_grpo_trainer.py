@@ -54,8 +54,12 @@ class DiffuGRPOTrainer(DiffusionGRPOTrainer):
         self._active_inputs = None
 
     def _mean_field_logps(self, model, inputs: dict, iteration: int, num_scored: int, return_entropy: bool = False):
-        """Per-token log-probs of the first `num_scored` canvas positions (TRL's cut completions line up with them)."""
+        """Per-token log-probs of the first `num_scored` canvas positions (TRL's cut completions line up with them).
+
+        TRL pads its completions to a multiple of `pad_to_multiple_of`, which can make them wider than the canvas:
+        the columns past the canvas are padding (outside TRL's completion mask) and get log-prob and entropy 0."""
         prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        padding = max(num_scored - canvas.shape[1], 0)
         scored = torch.arange(canvas.shape[1], device=canvas.device) < num_scored
         with self.accelerator.autocast():
             result = mean_field_logprobs(
@@ -70,9 +74,9 @@ class DiffuGRPOTrainer(DiffusionGRPOTrainer):
                 region=scored.expand_as(canvas),
                 return_entropy=return_entropy,
             )
-        if return_entropy:
-            return result[0][:, :num_scored], result[1][:, :num_scored]
-        return result[:, :num_scored]
+        results = result if return_entropy else (result,)
+        results = tuple(torch.nn.functional.pad(values[:, :num_scored], (0, padding)) for values in results)
+        return results if return_entropy else results[0]
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         num_scored = inputs["completion_ids"].shape[1]
