@@ -24,6 +24,7 @@ from trl_diffusion.trainer import LFPOConfig, LFPOTrainer
 from trl_diffusion.trainer.lfpo_trainer import lfpo_state_masks
 from trl_diffusion.utils import SavedTensorsMeter
 
+import helpers
 from helpers import cli_args, cpu_argv, gradients, rollout_batch, select_rows, tiny_grpo_config, tiny_trainer
 
 
@@ -415,6 +416,33 @@ def test_rollouts_come_from_the_old_policy_and_alpha_zero_is_a_hard_copy(tiny_ll
     differing = (rollouts[0.0][1] != rollouts[0.9][1]).sum().item()
     print(f"\n[lfpo hard copy vs alpha 0.9] round-2 tokens that differ: {differing} of {rollouts[0.0][1].numel()}")
     assert differing > 0
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_evaluation_rollouts_come_from_the_trained_policy(peft, tiny_llada_dir, tmp_path, monkeypatch):
+    """Training rollouts are the old policy's trajectories, but evaluation measures the trained policy: after two
+    optimiser steps in one round (theta_old still the initial weights), `evaluate` generates with theta."""
+    generated_by = []
+    real_generate = trainer_base.generate
+
+    def recording_generate(policy, *args, **kwargs):
+        generated_by.append((policy, getattr(policy, "active_adapter", None)))
+        return real_generate(policy, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_base, "generate", recording_generate)
+    args = make_args(tmp_path, steps_per_generation=2, max_steps=2, per_device_eval_batch_size=4)
+    trainer = make_trainer(tiny_llada_dir, args, peft=peft, eval_dataset=helpers.say_dataset(1))
+    trainer.train()
+    assert any(not torch.equal(old_parameters(trainer)[n], p) for n, p in policy_parameters(trainer).items())
+    ((train_policy, train_adapter),) = generated_by
+    metrics = trainer.evaluate()
+    assert len(generated_by) == 2 and math.isfinite(metrics["eval_loss"])
+    eval_policy, eval_adapter = generated_by[1]
+    if peft:
+        assert (train_adapter, eval_adapter) == ("old", "default")
+    else:
+        assert train_policy is trainer.old_model
+        assert eval_policy is trainer.accelerator.unwrap_model(trainer.model)
 
 
 # ---------------------------------------------------------------------------------------------- memory

@@ -171,6 +171,12 @@ class LFPOTrainer(DiffusionGRPOTrainer):
 
     @contextmanager
     def rollout_policy(self):
+        """The old policy generates the training rollouts (they are its trajectories); evaluation measures the
+        trained policy, like every other trainer's."""
+        if not self.model.training:
+            with super().rollout_policy() as unwrapped:
+                yield unwrapped
+            return
         if self.old_model is not None:
             yield self.old_model
             return
