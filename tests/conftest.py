@@ -26,6 +26,20 @@ def tiny_llama_adapter(tiny_llama, tiny_tokenizer):
     return DiffusionAdapter.from_model(tiny_llama, tiny_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def context_llama(tiny_tokenizer):
+    """A tiny bidirectional Llama trained until context matters (see `helpers.train_context_model`), in eval mode,
+    and its prompt ids: `(model, prompt_ids)`. Trained once per session; tests must not change its weights."""
+    from helpers import train_context_model
+
+    # Session fixtures are set up before the per-test thread setting below, and on shared cores extra threads make
+    # this loop an order of magnitude slower.
+    torch.set_num_threads(1)
+    model = build_tiny_bidirectional_llama(tiny_tokenizer, seed=1)
+    prompt_ids = train_context_model(model, tiny_tokenizer)
+    return model.eval().requires_grad_(False), prompt_ids
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.set_num_threads(1)

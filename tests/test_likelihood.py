@@ -1,11 +1,15 @@
 """ELBO estimators, mean-field log-probs and the exact-ELBO oracle, checked on a tiny bidirectional Llama.
 
 Exactness tests enumerate every offset (or Gauss-Legendre node) and every mask, evaluate each term with the
-package's own `elbo_term`, accumulate in float64 and compare with the enumerated ELBO to a relative 1e-6.
+package's own `elbo_term`, accumulate in float64 and compare with the enumerated ELBO to a relative 1e-6. The last
+section checks the samplers as the trainers draw them (`mask_plan` over thousands of row seeds) on a model trained
+until context matters, so that a biased offset or timestep draw fails.
 """
 
 import dataclasses
 import itertools
+import math
+import types
 
 import numpy as np
 import pytest
@@ -24,12 +28,16 @@ from trl_diffusion.masking import (
     completion_region,
     coupled_counts,
     length_normaliser,
+    new_mask_seeds,
     sample_masks,
     sample_prompt_masks,
     stratified_counts,
     stratified_timesteps,
     term_weights,
 )
+from trl_diffusion.trainer.sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
+
+from helpers import tiny_grpo_config
 
 RELATIVE_TOLERANCE = 1e-6
 GAUSS_LEGENDRE_NODES = 8  # exact for polynomials of degree <= 15; the integrands have degree n - 1 <= 5
@@ -471,3 +479,243 @@ def test_sample_masks_rejects_bad_arguments():
         sample_masks("stratified", region, seeds[:1], 0, 2)
     empty = sample_masks("coupled", torch.zeros(2, 4, dtype=torch.bool), seeds, 0, 2)
     assert not empty.masks.any() and not empty.complement_masks.any() and not empty.weights.any()
+
+
+# ------------------------------------------------------------------ the samplers as the trainers draw them
+#
+# The oracle below goes through `SequenceELBOTrainer.mask_plan` (hence `sample_masks`, called exactly as VRPO, BGPO
+# and ESPO call it) on thousands of row seeds, and scores every mask by table look-up: S(M) is enumerated once for
+# every M of the region on a model trained until context matters. The sampler's only randomness is a per-completion
+# draw (an offset, or timesteps) and the subsets drawn given it, so:
+# - count samplers: the rows fall into offset classes (their mask sizes); the exact mean of the estimator given a
+#   class is `mean_j [w_j f(l_j) + w'_j f(n - l_j)]` (subsets uniform given their size), and the estimator's exact
+#   mean is the average over the classes, which must equal the enumerated ELBO to 1e-6. The class frequencies must
+#   be uniform, and the estimator evaluated on the masks actually drawn must agree within 4 standard errors.
+# - timestep samplers: t_j is read from the weights; the draws must pass a Kolmogorov-Smirnov test against their
+#   law, and the exact mean given the t_j (Bernoulli masks enumerated), averaged over the rows, must equal B_eps
+#   (Gauss-Legendre) within 4 standard errors (0 when the draws never vary).
+
+ORACLE_ROWS = 3000
+ORACLE_EPS = 0.2  # far from 0: B_eps differs from B, and a clamp at eps would move a mass of 0.2 onto t = eps
+KS_CRITICAL = 1.95  # the Kolmogorov-Smirnov statistic times sqrt(draws) exceeds this with probability 0.001
+
+
+@dataclasses.dataclass
+class ScoreTable:
+    """`S(M)` of every mask M of a region, indexed by the bit code of M over the region positions."""
+
+    region: torch.Tensor  # (L,) bool
+    scores: torch.Tensor  # (2^n,) float64
+
+    @property
+    def n(self):
+        return int(self.region.sum())
+
+    def codes(self, masks):
+        """The bit code of each mask (..., L) over the region positions."""
+        positions = self.region.nonzero().squeeze(-1)
+        return (masks[..., positions].long() << torch.arange(self.n)).sum(-1)
+
+    def mean_by_size(self):
+        """f(0..n): the mean of S over the masks of each size."""
+        sizes = torch.tensor([bin(code).count("1") for code in range(2**self.n)])
+        totals = torch.zeros(self.n + 1, dtype=torch.float64).index_add_(0, sizes, self.scores)
+        return totals / torch.bincount(sizes).double()
+
+    def elbo(self, eps=0.0):
+        """B (`eps = 0`) or B_eps = E_{t ~ U(eps, 1)} E_{M ~ Bern(t)} [S(M) / t], by Gauss-Legendre quadrature."""
+        f = self.mean_by_size()
+        nodes, weights = _gauss_legendre_unit()
+        total = 0.0
+        for node, weight in zip(nodes, weights):
+            t = eps + (1.0 - eps) * node
+            total += weight * sum(
+                math.comb(self.n, size) * t ** (size - 1) * (1 - t) ** (self.n - size) * f[size]
+                for size in range(1, self.n + 1)
+            )
+        return float(total)
+
+
+def _score_table(model, adapter, prompt_ids, completion_ids, region):
+    """Every mask of `region` scored by the naive reference (the model called directly, a full log-softmax)."""
+    masks = _all_masks(region)
+    table = ScoreTable(region, torch.zeros(2 ** int(region.sum()), dtype=torch.float64))
+    rows = masks.shape[0]
+    prompt_ids, completion_ids = prompt_ids.expand(rows, -1), completion_ids.expand(rows, -1)
+    prompt_mask = torch.ones_like(prompt_ids)
+    with torch.no_grad():
+        logprobs = _reference_logprobs(
+            model,
+            torch.cat([prompt_ids, completion_ids.masked_fill(masks, adapter.mask_token_id)], dim=1),
+            torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1),
+            completion_ids,
+        )
+    table.scores[table.codes(masks)] = (logprobs.double() * masks).sum(-1)
+    return table
+
+
+@pytest.fixture(scope="module")
+def context_cases(context_llama, tiny_tokenizer, tiny_llama_adapter):
+    """Score tables of the trained model: a 6-token canvas (region `canvas`, n = 6) and a 7-token canvas whose first
+    terminator is at index 4 (region `answer`, n = 5)."""
+    model, prompt_ids = context_llama
+    cases = {}
+    for elbo_region, text in (("canvas", "373737"), ("answer", "3737<|eot|>37")):
+        completion_ids = torch.tensor([tiny_tokenizer(text, add_special_tokens=False)["input_ids"]])
+        region = _region(tiny_llama_adapter, completion_ids, elbo_region)[0]
+        cases[elbo_region] = (
+            completion_ids,
+            _score_table(model, tiny_llama_adapter, prompt_ids, completion_ids, region),
+        )
+    return cases
+
+
+@torch.no_grad()
+def test_trained_model_makes_the_mask_matter(context_llama, context_cases, tiny_llama_adapter):
+    """The oracle is only as sharp as the model: here each token's masked log-prob moves by over a nat with the mask
+    (so a sampler that favours some mask sizes or subsets shifts the mean), and the table equals `exact_elbo`."""
+    model, prompt_ids = context_llama
+    for completion_ids, table in context_cases.values():
+        masks = _all_masks(table.region)
+        logprobs = masked_token_logprobs(
+            model,
+            tiny_llama_adapter,
+            prompt_ids.expand(len(masks), -1),
+            torch.ones(len(masks), prompt_ids.shape[1], dtype=torch.long),
+            completion_ids.expand(len(masks), -1),
+            masks,
+        )
+        for position in table.region.nonzero().squeeze(-1).tolist():
+            scored = logprobs[masks[:, position], position]
+            assert scored.max() - scored.min() > 1.0, (position, scored.min().item(), scored.max().item())
+        exact = exact_elbo(
+            model, tiny_llama_adapter, prompt_ids, torch.ones_like(prompt_ids), completion_ids, table.region[None]
+        )
+        _assert_close(table.elbo(), exact.item())
+        exact_eps = exact_elbo_eps(
+            model,
+            tiny_llama_adapter,
+            prompt_ids,
+            torch.ones_like(prompt_ids),
+            completion_ids,
+            table.region[None],
+            ORACLE_EPS,
+        )
+        _assert_close(table.elbo(ORACLE_EPS), exact_eps.item())
+        assert abs(table.elbo(ORACLE_EPS) - table.elbo()) > 0.05 * abs(table.elbo())
+
+
+def _trainer_plan(adapter, completion_ids, sampler, elbo_region, num_mc_samples, output_dir, iteration=1):
+    """The masks a sequence-ELBO trainer draws for `ORACLE_ROWS` copies of one completion with distinct row seeds:
+    `SequenceELBOTrainer.mask_plan` on a trainer's config (every mask stays a function of its row seed)."""
+    args = tiny_grpo_config(
+        SequenceELBOConfig,
+        output_dir,
+        mask_sampler=sampler,
+        elbo_region=elbo_region,
+        num_mc_samples=num_mc_samples,
+        timestep_eps=ORACLE_EPS,
+    )
+    trainer = types.SimpleNamespace(args=args, adapter=adapter)
+    seeds = new_mask_seeds(ORACLE_ROWS, torch.Generator().manual_seed(2024))
+    inputs = {"completion_canvas": completion_ids.expand(ORACLE_ROWS, -1), "mask_seeds": seeds}
+    return SequenceELBOTrainer.mask_plan(trainer, inputs, iteration)
+
+
+def _plan_values(plan, table):
+    """The estimator `mean_j [w_j S(M_j) + w'_j S(R \\ M_j)]` of every row, on the masks actually drawn."""
+    values = plan.weights.double() * table.scores[table.codes(plan.masks)]
+    if plan.complement_masks is not None:
+        values = values + plan.complement_weights.double() * table.scores[table.codes(plan.complement_masks)]
+    return values.mean(-1)
+
+
+def _assert_within_standard_errors(values, reference, count=4.0):
+    standard_error = values.std().item() / math.sqrt(values.numel())
+    assert abs(values.mean().item() - reference) <= count * standard_error + RELATIVE_TOLERANCE * abs(reference), (
+        values.mean().item(),
+        reference,
+        standard_error,
+    )
+
+
+@pytest.mark.parametrize(
+    "sampler, elbo_region, num_mc_samples",
+    [
+        ("stratified", "canvas", 1),
+        ("stratified", "canvas", 4),  # n_t < n
+        ("stratified", "answer", 7),  # n_t > n
+        ("coupled", "canvas", 2),
+        ("coupled", "answer", 3),
+        ("coupled", "canvas", 8),  # n_t > n + 1
+    ],
+)
+def test_trainer_count_sampler_is_exactly_unbiased(
+    sampler, elbo_region, num_mc_samples, context_cases, tiny_llama_adapter, tmp_path
+):
+    completion_ids, table = context_cases[elbo_region]
+    n, region = table.n, table.region
+    plan = _trainer_plan(tiny_llama_adapter, completion_ids, sampler, elbo_region, num_mc_samples, tmp_path)
+    assert not (plan.masks & ~region).any()
+    if plan.complement_masks is not None:
+        assert torch.equal(plan.complement_masks, region & ~plan.masks)
+
+    # The per-completion draw is the row's mask sizes; given them, each subset is uniform among those of its size.
+    sizes = plan.masks.sum(-1)
+    f = table.mean_by_size()
+    conditional = plan.weights.double() * f[sizes]
+    if plan.complement_weights is not None:
+        conditional = conditional + plan.complement_weights.double() * f[n - sizes]
+    conditional = conditional.mean(-1)
+    classes, inverse, counts = torch.unique(sizes, dim=0, return_inverse=True, return_counts=True)
+    class_means = torch.zeros(len(classes), dtype=torch.float64).index_add_(0, inverse, conditional) / counts
+    assert torch.allclose(conditional, class_means[inverse], rtol=1e-12)  # weights depend on the sizes only
+
+    # Offsets are uniform over their classes: each frequency within 5 standard errors of 1 / (number of classes).
+    expected = 1.0 / len(classes)
+    tolerance = 5 * math.sqrt(expected * (1 - expected) / ORACLE_ROWS)
+    assert (counts.double() / ORACLE_ROWS - expected).abs().max() <= tolerance, (counts, len(classes))
+
+    # The estimator's exact mean over the offset (uniform) and the subsets is the ELBO.
+    _assert_close(class_means.mean().item(), table.elbo())
+    # The same through the masks actually drawn (which also tests that subsets are uniform given their size).
+    _assert_within_standard_errors(_plan_values(plan, table), table.elbo())
+
+
+def _kolmogorov_smirnov_uniform(draws, low, high):
+    """sup |F_empirical - F| of `draws` (1-D float64) against the uniform law on [low, high)."""
+    draws = draws.sort().values
+    count = draws.numel()
+    reference = ((draws - low) / (high - low)).clamp(0, 1)
+    above = torch.arange(1, count + 1, dtype=torch.float64) / count - reference
+    below = reference - torch.arange(count, dtype=torch.float64) / count
+    return max(above.max().item(), below.max().item())
+
+
+@pytest.mark.parametrize(
+    "sampler, num_mc_samples", [("uniform_t", 1), ("uniform_t", 3), ("stratified_t", 1), ("stratified_t", 4)]
+)
+def test_trainer_timestep_sampler_has_mean_b_eps(sampler, num_mc_samples, context_cases, tiny_llama_adapter, tmp_path):
+    completion_ids, table = context_cases["canvas"]
+    n, eps = table.n, ORACLE_EPS
+    plan = _trainer_plan(tiny_llama_adapter, completion_ids, sampler, "canvas", num_mc_samples, tmp_path)
+    timesteps = 1.0 / plan.weights.double()  # w = 1 / t
+
+    # Exact mean given the timesteps, Bernoulli(t) masks enumerated: w * sum_l C(n, l) t^l (1 - t)^(n - l) f(l).
+    f = table.mean_by_size()
+    conditional = (
+        sum(math.comb(n, size) * timesteps**size * (1 - timesteps) ** (n - size) * f[size] for size in range(1, n + 1))
+        * plan.weights.double()
+    )
+    _assert_within_standard_errors(conditional.mean(-1), table.elbo(eps))
+    # The same through the masks actually drawn.
+    _assert_within_standard_errors(_plan_values(plan, table), table.elbo(eps))
+
+    # The draws follow their law: t ~ U(eps, 1), or t_j ~ U over the j-th of n_t equal strata of [eps, 1).
+    for j in range(num_mc_samples):
+        if sampler == "uniform_t":
+            low, high = eps, 1.0
+        else:
+            low, high = eps + (1 - eps) * j / num_mc_samples, eps + (1 - eps) * (j + 1) / num_mc_samples
+        statistic = _kolmogorov_smirnov_uniform(timesteps[:, j], low, high)
+        assert statistic * math.sqrt(ORACLE_ROWS) < KS_CRITICAL, (j, statistic)
