@@ -7,6 +7,7 @@ old policy (and that it generates the rollouts), activation memory flat in the n
 sampler `lfpo_state_masks`.
 """
 
+import copy
 import dataclasses
 import math
 
@@ -60,9 +61,10 @@ def policy_parameters(trainer):
 
 
 def state_logprobs(trainer, model, inputs):
-    """Independent of the trainer: per (row, state) pair, the mean over the state's masked positions of
-    log p_theta(final token | state), shape (B, K) (0 for an empty state), and the pairs' masked counts."""
-    masks = inputs["lfpo_state_masks"]
+    """Independent of the trainer: per (row, state) pair, the mean over the state's scored positions (masked and
+    inside the region) of log p_theta(final token | state), shape (B, K) (0 for an empty state), and the pairs'
+    scored counts. The state is the canvas masked at all of `lfpo_state_masks`."""
+    masks, scored = inputs["lfpo_state_masks"], inputs["lfpo_scored_masks"]
     num_rows, num_states, length = masks.shape
     expand = lambda t: t[:, None].expand(-1, num_states, -1).reshape(num_rows * num_states, -1)  # noqa: E731
     logps = masked_token_logprobs(
@@ -73,8 +75,9 @@ def state_logprobs(trainer, model, inputs):
         expand(inputs["completion_canvas"]),
         masks.reshape(num_rows * num_states, length),
     )
-    sizes = masks.reshape(num_rows * num_states, length).sum(dim=1)
-    means = logps.sum(dim=1) / sizes.clamp(min=1)
+    scored = scored.reshape(num_rows * num_states, length)
+    sizes = scored.sum(dim=1)
+    means = (logps * scored).sum(dim=1) / sizes.clamp(min=1)
     return means.view(num_rows, num_states), sizes.view(num_rows, num_states)
 
 
@@ -251,6 +254,70 @@ def test_on_policy_gradient_is_clipped_advantage_times_state_logprob_gradient(pe
         assert relative < 1e-5
 
 
+@pytest.fixture(scope="module")
+def short_answer_model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """The tiny LLaDA leaning towards EOS (a constant embedding feature that only EOS reads in the output head):
+    its completions end after one to a few tokens, with positions behind the terminator decoded later."""
+    model = copy.deepcopy(tiny_llada)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 10.0
+        head = model.get_output_embeddings().weight
+        head[:, 0] = 0.0
+        head[tiny_tokenizer.eos_token_id, 0] = 0.5
+    return helpers.save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llada-short"))
+
+
+def test_answer_region_states_are_the_recorded_canvases(short_answer_model_dir, tmp_path):
+    """`elbo_region="answer"`: a state is the canvas the sampler saw at its step, so positions behind the first
+    terminator that were still masked there stay masked in the model's input; only the masked positions inside
+    the answer are scored. The on-policy gradient is checked against an independent computation on those states."""
+    args = make_args(tmp_path, elbo_region="answer")
+    trainer = make_trainer(short_answer_model_dir, args)
+    inputs = rollout_batch(trainer)
+    masks, scored = inputs["lfpo_state_masks"], inputs["lfpo_scored_masks"]
+    canvas, commit_step = inputs["completion_canvas"], inputs["commit_step"]
+    region = completion_region(canvas, trainer.adapter.terminator_ids, "answer")
+    assert (region.sum(dim=1) < canvas.shape[1]).all()
+    assert (masks & ~region[:, None]).any()  # masked positions behind the terminator: where the bug would show
+    assert torch.equal(scored, masks & region[:, None]) and scored.any()
+    for row in range(canvas.shape[0]):
+        canvases = [commit_step[row] >= step for step in range(int(commit_step[row].max()) + 2)]
+        for state in masks[row]:
+            assert any(torch.equal(state, masked) for masked in canvases), row
+
+    inputs["advantages"] = ADVANTAGES
+    model, clip = trainer.model, args.adv_clip_max
+    model.zero_grad()
+    means, _ = state_logprobs(trainer, model, inputs)
+    (-ADVANTAGES.clamp(-clip, clip)[:, None] * means).sum().div(masks.shape[0] * masks.shape[1]).backward()
+    expected = gradients(model)
+    model.zero_grad()
+    fed = []  # the completion part of every canvas the trained and the old policy see
+    hooks = [
+        policy.register_forward_pre_hook(
+            lambda module, args, kwargs: fed.extend(kwargs["input_ids"][:, -canvas.shape[1] :]), with_kwargs=True
+        )
+        for policy in (model, trainer.old_model)
+    ]
+    try:
+        trainer._compute_loss(model, inputs).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    actual = gradients(model)
+    recorded = [
+        canvas[row].masked_fill(commit_step[row] >= step, trainer.adapter.mask_token_id)
+        for row in range(canvas.shape[0])
+        for step in range(int(commit_step[row].max()) + 2)
+    ]
+    assert len(fed) == 2 * masks.shape[0] * masks.shape[1]
+    for state in fed:
+        assert any(torch.equal(state, canvas_at_step) for canvas_at_step in recorded), state
+    relative = norm({n: actual[n] - expected[n] for n in expected}) / norm(expected)
+    print(f"\n[lfpo answer region] |grad| {norm(actual):.6g}, rel. error {relative:.2e}")
+    assert relative < 1e-5
+
+
 def test_off_policy_step_raises_or_lowers_the_likelihood_of_the_states(tiny_llada_dir, tmp_path):
     """theta != theta_old: an SGD step on r = 1 (A >= c) raises the mean log p_theta(y_i | state) over the states'
     masked positions; on r = 0 (A <= -c) it lowers it. Beyond c the weight saturates: A = c and A = 3c take the
@@ -264,8 +331,9 @@ def test_off_policy_step_raises_or_lowers_the_likelihood_of_the_states(tiny_llad
         for parameter in trainer.model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
     with torch.no_grad():
-        z_theta = trainer._state_logits(trainer.model, inputs, torch.arange(4), inputs["lfpo_state_masks"][:4, 0])
-        z_old = trainer._state_logits(trainer.old_model, inputs, torch.arange(4), inputs["lfpo_state_masks"][:4, 0])
+        state = inputs["lfpo_state_masks"][:4, 0], inputs["lfpo_scored_masks"][:4, 0]
+        z_theta = trainer._state_logits(trainer.model, inputs, torch.arange(4), *state)
+        z_old = trainer._state_logits(trainer.old_model, inputs, torch.arange(4), *state)
     assert (z_theta - z_old).abs().max() > 0.1
 
     def mean_state_logprob(model):
@@ -462,6 +530,7 @@ def test_activation_memory_is_flat_in_the_number_of_states(tiny_llada_dir, tmp_p
     def peak(num_states, block_size):
         inputs = dict(base)
         inputs["lfpo_state_masks"] = lfpo_state_masks(base["commit_step"], region, base["mask_seeds"], num_states)
+        inputs["lfpo_scored_masks"] = inputs["lfpo_state_masks"] & region[:, None]
         trainer.args.lfpo_block_size = block_size
         trainer.model.zero_grad()
         with SavedTensorsMeter() as meter:
@@ -517,7 +586,10 @@ def test_trajectory_states_are_stratified_nested_sampler_canvases(trajectory):
     masks = lfpo_state_masks(commit_step, region, seeds, num_states)
     assert masks.shape == (num_rows, num_states, length) and masks.dtype == torch.bool
 
-    assert not (masks & ~region[:, None]).any()  # within the region
+    # A state is the canvas the sampler saw, whatever the region (the trainer scores only its masked positions
+    # inside the region): the answer region of row 1 changes nothing.
+    assert torch.equal(masks, lfpo_state_masks(commit_step, torch.ones_like(region), seeds, num_states))
+    assert masks[1, 0, 20:].any()
     assert not (masks[:, 1:] & ~masks[:, :-1]).any()  # nested: later states mask a subset
     assert trajectory.commit_step.max() == 15 and commit_step[3].max() == 9
     for row in range(num_rows):
@@ -530,7 +602,7 @@ def test_trajectory_states_are_stratified_nested_sampler_canvases(trajectory):
                 masked_at = [commit_step[row] >= s for s in stratum]
             else:
                 masked_at = [trajectory.history[s][row, -length:] == trajectory.mask_token_id for s in stratum]
-            assert any(torch.equal(masks[row, k], masked & region[row]) for masked in masked_at), (row, k)
+            assert any(torch.equal(masks[row, k], masked) for masked in masked_at), (row, k)
 
     # Reproducible from the seed, independent of the other rows, different for other seeds.
     assert torch.equal(masks, lfpo_state_masks(commit_step, region, seeds, num_states))

@@ -35,15 +35,17 @@ def lfpo_state_masks(
     """The masked positions of each completion's K training states, one per stratum, drawn from the row's seed.
 
     `trajectory`: for a row whose denoising ran S steps, state k is the canvas that went into step
-    `s_k = floor((k + u_k) * S / K)`, u_k ~ U[0, 1): the positions committed at step s_k or later are masked.
-    `forward`: the final completion re-masked with Bernoulli(t_k), `t_k = (k + u_k) / K`. Positions outside the
-    region are never masked.
+    `s_k = floor((k + u_k) * S / K)`, u_k ~ U[0, 1): the positions committed at step s_k or later are masked,
+    inside the region or not, because that is the canvas the sampler saw (the loss scores only the masked
+    positions inside the region). `forward`: the final completion re-masked with Bernoulli(t_k),
+    `t_k = (k + u_k) / K`, inside the region only (outside it the completion stays visible, as in the ELBO's
+    `answer` region).
 
     Args:
         commit_step (`torch.LongTensor` of shape `(batch, L)`):
             The step at which the sampler committed each completion position.
         region (`torch.BoolTensor` of shape `(batch, L)`):
-            Positions that may be masked and trained.
+            Positions the `forward` states may mask (the trained region).
         seeds (`torch.LongTensor` of shape `(batch,)`):
             Per-row seeds.
         num_states (`int`):
@@ -67,8 +69,9 @@ def lfpo_state_masks(
             masks[row] = commit_step_cpu[row][None, :] >= state_steps[:, None]
         else:
             times = (strata + offsets) / num_states
-            masks[row] = torch.rand(num_states, length, generator=generator, dtype=torch.float64) < times[:, None]
-    return (masks & region_cpu[:, None, :]).to(commit_step.device)
+            noise = torch.rand(num_states, length, generator=generator, dtype=torch.float64)
+            masks[row] = (noise < times[:, None]) & region_cpu[row]
+    return masks.to(commit_step.device)
 
 
 class LFPOTrainer(DiffusionGRPOTrainer):
@@ -222,26 +225,32 @@ class LFPOTrainer(DiffusionGRPOTrainer):
     # ------------------------------------------------------------------ states and loss
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        """Each completion's K states: `lfpo_state_masks`, the masked positions of the canvas the model sees, and
+        `lfpo_scored_masks`, those inside the region (`elbo_region`), where the loss is computed; both
+        `(batch, K, L)`."""
         canvas = inputs["completion_canvas"]
         region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
         masks = lfpo_state_masks(
             inputs["commit_step"], region, inputs["mask_seeds"], self.args.lfpo_num_states, self.args.lfpo_states
         )
-        return {"lfpo_state_masks": masks}
+        return {"lfpo_state_masks": masks, "lfpo_scored_masks": masks & region[:, None, :]}
 
     def optimality_weight(self, advantages: torch.Tensor) -> torch.Tensor:
         """`r = 0.5 + 0.5 * clip(A / c, -1, 1)`: 1 for clearly good completions, 0 for clearly bad ones."""
         return 0.5 + 0.5 * (advantages / self.args.adv_clip_max).clamp(-1.0, 1.0)
 
-    def _state_logits(self, model, inputs: dict, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """float32 logits at the masked positions of the given states, shape `(num_positions, vocab)`."""
+    def _state_logits(
+        self, model, inputs: dict, rows: torch.Tensor, masks: torch.Tensor, scored: torch.Tensor
+    ) -> torch.Tensor:
+        """float32 logits at the `scored` positions of the states whose canvases are masked at `masks`, shape
+        `(num_scored_positions, vocab)`."""
         canvas = inputs["completion_canvas"][rows]
         states = canvas.masked_fill(masks, self.adapter.mask_token_id)
         input_ids = torch.cat([inputs["prompt_ids"][rows], states], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"][rows], torch.ones_like(states)], dim=1)
         with self.accelerator.autocast():
             logits = self.adapter.logits(model, input_ids, attention_mask, num_logits=canvas.shape[1])
-        return logits[masks].float()
+        return logits[scored].float()
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
         state_masks = inputs["lfpo_state_masks"]
@@ -252,21 +261,21 @@ class LFPOTrainer(DiffusionGRPOTrainer):
 
     def _block_losses(self, model, inputs: dict, blocks, mode: str) -> Iterator[torch.Tensor]:
         beta, clip = self.args.contrastive_beta, self.args.adv_clip_max
-        state_masks = inputs["lfpo_state_masks"]
+        state_masks, scored_masks = inputs["lfpo_state_masks"], inputs["lfpo_scored_masks"]
         num_pairs = state_masks.shape[0] * state_masks.shape[1]
         weights = self.optimality_weight(inputs["advantages"])
         scale = (clip / beta) / (num_pairs * self.loss_scale(mode))
         totals = torch.zeros(3, device=state_masks.device)
         for block in blocks:
             rows, states = block[:, 0], block[:, 1]
-            masks = state_masks[rows, states]
-            logits = self._state_logits(model, inputs, rows, masks)
+            masks, scored = state_masks[rows, states], scored_masks[rows, states]
+            logits = self._state_logits(model, inputs, rows, masks, scored)
             with torch.no_grad(), self.old_policy() as old:
-                old_logits = self._state_logits(old, inputs, rows, masks)
-            targets = inputs["completion_canvas"][rows][masks]
-            # Each masked position belongs to one (row, state) pair; its loss is averaged within its pair.
-            position_pair = masks.nonzero()[:, 0]
-            pair_sizes = masks.sum(dim=1).clamp(min=1)
+                old_logits = self._state_logits(old, inputs, rows, masks, scored)
+            targets = inputs["completion_canvas"][rows][scored]
+            # Each scored position belongs to one (row, state) pair; its loss is averaged within its pair.
+            position_pair = scored.nonzero()[:, 0]
+            pair_sizes = scored.sum(dim=1).clamp(min=1)
             position_weight = weights[rows][position_pair]
             loss = torch.zeros_like(targets, dtype=torch.float32)
             if self.args.lfpo_variant in ("all", "positive"):
@@ -276,7 +285,7 @@ class LFPOTrainer(DiffusionGRPOTrainer):
                 negative = (1 + beta) * old_logits - beta * logits
                 loss = loss + (1 - position_weight) * _cross_entropy(negative, targets)
             yield scale * (loss / pair_sizes[position_pair]).sum()
-            sizes = masks.sum(dim=1)
+            sizes = scored.sum(dim=1)
             totals += torch.stack([sizes.sum(), (sizes == 0).sum(), torch.tensor(len(block))]).float()
         metrics = self._metrics[mode]
         gathered = self.accelerator.gather(torch.cat([totals, weights.mean().reshape(1)])[None])
