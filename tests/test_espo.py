@@ -249,6 +249,34 @@ def test_k2_penalty_and_gradient_match_the_hand_computation(tiny_llada_dir, tmp_
         assert loss.item() == pytest.approx(beta * expected_kl.mean().item() / ga, rel=1e-5, abs=1e-9)
 
 
+def test_k3_overflow_guard_keeps_loss_and_gradient_finite(tiny_llada_dir, tmp_path):
+    """k3's exp(-delta) overflows float32 beyond about 88.7 nats: rows with B_theta - B_ref = -100 or -300 (past it)
+    get a finite penalty capped at exp(88), a finite gradient, and are counted; the others keep the formula."""
+    beta = 1e-3
+    args = make_args(tmp_path, beta=beta, kl_estimator="k3")
+    trainer = make_trainer(tiny_llada_dir, args)
+    inputs = rollout_batch(trainer)
+    model = trainer.model
+    shifts = torch.tensor([100.0, 300.0, 0.0, -3.0, 2.0, 50.0, 0.0, 1.0])  # B_ref - B_theta, roughly
+    inputs["ref_elbo_terms"] = (inputs["ref_elbo_terms"] + shifts[:, None, None]).detach()
+    inputs["advantages"] = torch.zeros(len(shifts))
+    model.zero_grad()
+    loss = trainer._compute_loss(model, inputs)
+    loss.backward()
+    grads = gradients(model)
+    with torch.no_grad():
+        delta = coupled_elbo(trainer, model, inputs) - inputs["ref_elbo_terms"][:, 0].mean(dim=1)
+    beyond = -delta > 88
+    assert beyond.tolist() == [True, True] + [False] * 6
+    metrics = trainer._metrics["train"]
+    print(f"\n[espo k3 guard] delta {[round(v, 2) for v in delta.tolist()]}, loss {loss.item():.6g}")
+    assert math.isfinite(loss.item()) and math.isfinite(metrics["kl"][-1])
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert metrics["kl/k3_overflow_guard_hits"][-1] == 2
+    expected = torch.where(beyond, math.exp(88.0), torch.exp(-delta.double()).float()) - 1 + delta
+    assert loss.item() == pytest.approx(beta * (expected / L).mean().item(), rel=1e-5)
+
+
 def test_leave_one_out_advantages(tiny_llada_dir, tmp_path):
     """A_i = r_i - mean_{j != i} r_j over the scored completions of the group (a completion no reward function
     scored gets 0 and is no one's baseline); leave_one_out=False is TRL's r_i - mean_j r_j."""

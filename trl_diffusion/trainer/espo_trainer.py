@@ -1,9 +1,10 @@
+import math
 import textwrap
 
 import torch
 
 from .espo_config import ESPOConfig
-from .sequence_elbo import MAX_LOG_RATIO, SequenceELBOTrainer
+from .sequence_elbo import SequenceELBOTrainer
 
 
 class ESPOTrainer(SequenceELBOTrainer):
@@ -73,5 +74,13 @@ class ESPOTrainer(SequenceELBOTrainer):
         if self.args.kl_estimator == "k1":
             return delta / length
         if self.args.kl_estimator == "k3":
-            return (torch.exp((-delta).clamp(max=MAX_LOG_RATIO * length)) - 1 + delta) / length
+            # exp(-delta) overflows its dtype beyond log(max) (about 88.7 nats in float32 and bfloat16), and an
+            # infinite penalty has a NaN gradient: the exponent is capped just below, where the penalty keeps its
+            # value there and only the linear part of its gradient. The hits are counted.
+            max_exponent = math.floor(math.log(torch.finfo(delta.dtype).max))
+            exponent = -delta
+            hits = (exponent.detach() > max_exponent).float()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["kl/k3_overflow_guard_hits"].append(self.accelerator.gather(hits).sum().item())
+            return (torch.exp(exponent.clamp(max=max_exponent)) - 1 + delta) / length
         return super().sequence_kl(elbo, ref_elbo)
