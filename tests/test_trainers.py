@@ -267,6 +267,7 @@ CLI_VALUES = {
     "num_mc_samples": 3,
     "timestep_eps": 0.01,
     "p_mask_prompt": 0.3,
+    "max_consecutive_failed_reward_steps": 3,
     # GRPOConfig fields whose default DiffuGRPOConfig changes.
     "loss_type": "grpo",
     "epsilon": 0.3,
@@ -399,6 +400,53 @@ def test_unscored_rows_get_zero_advantage(name, tiny_llada_dir, tmp_path):
     logs = train_logs(trainer)
     assert all(math.isfinite(entry[key]) for entry in logs for key in ("loss", "grad_norm"))
     assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_infinite_reward_is_unscored_and_counted(tiny_llada_dir, tmp_path):
+    """+inf and -inf rewards leave their rows unscored (advantage 0, out of the baseline) instead of turning their
+    whole group's advantages into 0, and are counted."""
+
+    def infinite_reward(completions, **kwargs):
+        rewards = [float(i % 3) for i in range(len(completions))]
+        rewards[1], rewards[6] = float("inf"), float("-inf")
+        return rewards
+
+    trainer = make_trainer("vrpo", tiny_llada_dir, make_args("vrpo", tmp_path), reward_funcs=infinite_reward)
+    advantages = rollout_batch(trainer)["advantages"].cpu()
+    # Group 1: rewards [0, inf, 2, 0] -> the baseline of [0, 2, 0] is 2/3; group 2: [1, 2, -inf, 1] -> 4/3.
+    scale = torch.tensor([2 / 3, 4 / 3]).repeat_interleave(4)  # TRL's default scale_rewards="group"
+    std = torch.tensor([math.sqrt(4 / 3), math.sqrt(1 / 3)]).repeat_interleave(4)
+    expected = (torch.tensor([0.0, 0.0, 2.0, 0.0, 1.0, 2.0, 0.0, 1.0]) - scale) / (std + 1e-4)
+    expected[[1, 6]] = 0.0
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
+    assert trainer._metrics["train"]["rewards/infinite_reward/infinite"] == [2.0]
+    assert math.isfinite(trainer._metrics["train"]["reward"][-1])
+
+
+@pytest.mark.parametrize("failure", ["raises", "returns None"])
+def test_reward_function_that_never_scores_stops_the_run(failure, tiny_llada_dir, tmp_path):
+    """A reward function that scores no completion for `max_consecutive_failed_reward_steps` rollout batches in a
+    row stops training with an error naming it, instead of finishing having learned nothing; one that fails only
+    now and then does not (see the test above)."""
+
+    def broken_reward(completions, **kwargs):
+        if failure == "raises":
+            raise KeyError("solution")
+        return [None] * len(completions)
+
+    args = make_args("bgpo", tmp_path, max_steps=6, max_consecutive_failed_reward_steps=3)
+    trainer = make_trainer("bgpo", tiny_llada_dir, args, reward_funcs=[distinct_chars, broken_reward])
+    cause = "KeyError: 'solution'" if failure == "raises" else "returned None, NaN or inf for every completion"
+    with pytest.raises(RuntimeError, match=f"'broken_reward' scored no completion in 3 consecutive .*{cause}"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # the third rollout batch raised
+
+    with pytest.raises(ValueError, match="max_consecutive_failed_reward_steps"):
+        make_args("bgpo", tmp_path, max_consecutive_failed_reward_steps=0)
+    args = make_args("bgpo", tmp_path, max_steps=3, max_consecutive_failed_reward_steps=None)
+    trainer = make_trainer("bgpo", tiny_llada_dir, args, reward_funcs=[distinct_chars, broken_reward])
+    trainer.train()
+    assert trainer.state.global_step == 3
 
 
 def test_raising_reward_is_logged_and_counted(tiny_llada_dir, tmp_path, caplog):

@@ -101,6 +101,13 @@ class DiffusionGRPOConfig(GRPOConfig):
             Divisor N of ELBO differences: `none`, `canvas` (L) or `answer` (answer length).
         timestep_eps (`float`, *optional*, defaults to `1e-3`):
             Smallest timestep of the `uniform_t` and `stratified_t` samplers.
+
+    Parameters that control the rewards:
+
+        max_consecutive_failed_reward_steps (`int`, *optional*, defaults to `10`):
+            Stop training with an error naming the reward function when it scores no completion (it raised, or
+            returned `None`, NaN or an infinite value for every row) in this many consecutive rollout batches.
+            `None` never stops (for a reward function that legitimately skips whole batches).
     """
 
     mask_token_id: int | None = field(
@@ -173,6 +180,13 @@ class DiffusionGRPOConfig(GRPOConfig):
     timestep_eps: float = field(
         default=1e-3, metadata={"help": "Smallest timestep of the uniform_t and stratified_t samplers."}
     )
+    max_consecutive_failed_reward_steps: int | None = field(
+        default=10,
+        metadata={
+            "help": "Stop training with an error when a reward function scores no completion (it raised, or "
+            "returned None, NaN or inf for every row) in this many consecutive rollout batches. None never stops."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -201,6 +215,11 @@ class DiffusionGRPOConfig(GRPOConfig):
             raise ValueError(f"`num_mc_samples` must be at least 1, got {self.num_mc_samples}.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"`max_prompt_length` must be positive or None, got {self.max_prompt_length}.")
+        if self.max_consecutive_failed_reward_steps is not None and self.max_consecutive_failed_reward_steps < 1:
+            raise ValueError(
+                "`max_consecutive_failed_reward_steps` must be a positive number of rollout batches, or None to never "
+                f"stop; got {self.max_consecutive_failed_reward_steps}."
+            )
         if not 0.0 < self.timestep_eps < 1.0:
             raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
         for name, choices in (
@@ -340,6 +359,9 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             raise ValueError("`train_dataset` is empty: there are no prompts to train on.")
 
         self._reward_errors: dict[str, int] = {}
+        self._last_reward_error: dict[str, Exception] = {}
+        # Per reward function: consecutive training rollout batches in which it scored no completion.
+        self._failed_reward_steps: dict[str, int] = {}
         if reward_funcs is not None:
             reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
             reward_funcs = [
@@ -378,12 +400,49 @@ class DiffusionGRPOTrainer(GRPOTrainer):
 
     def _record_reward_error(self, name: str, error: Exception) -> None:
         self._reward_errors[name] = self._reward_errors.get(name, 0) + 1
+        self._last_reward_error[name] = error
         logger.warning(
             "Reward function %r raised %s: %s. Its rewards for this batch are left unscored (None).",
             name,
             type(error).__name__,
             error,
         )
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (gathered over processes, NaN where unscored), with infinite rewards unscored too: a single
+        inf would make its group's baseline infinite and every advantage of the group 0. Counts them, and stops a
+        run in which a reward function has scored nothing for `max_consecutive_failed_reward_steps` batches."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = torch.isinf(rewards_per_func)
+        rewards_per_func = rewards_per_func.masked_fill(infinite, float("nan"))
+        mode = "train" if self.model.training else "eval"
+        for index, name in enumerate(self.reward_func_names):
+            self._metrics[mode][f"rewards/{name}/infinite"].append(float(infinite[:, index].sum()))
+        if mode == "train":
+            self._check_failed_reward_functions(torch.isnan(rewards_per_func).all(dim=0).tolist())
+        return rewards_per_func
+
+    def _check_failed_reward_functions(self, failed: list[bool]) -> None:
+        """Counts, per reward function, the consecutive rollout batches in which it scored no completion (the same on
+        every process: the rewards are gathered), and raises once a count reaches the configured limit."""
+        limit = self.args.max_consecutive_failed_reward_steps
+        for name, failed_now in zip(self.reward_func_names, failed):
+            self._failed_reward_steps[name] = self._failed_reward_steps.get(name, 0) + 1 if failed_now else 0
+            if not failed_now:
+                self._last_reward_error.pop(name, None)
+            if limit is None or self._failed_reward_steps[name] < limit:
+                continue
+            last_error = self._last_reward_error.get(name)
+            cause = (
+                f"its last error: {type(last_error).__name__}: {last_error}"
+                if last_error is not None
+                else "it returned None, NaN or inf for every completion"
+            )
+            raise RuntimeError(
+                f"The reward function {name!r} scored no completion in {limit} consecutive rollout batches ({cause}), "
+                "so training would learn nothing from it. Fix the reward function, or raise "
+                "`max_consecutive_failed_reward_steps` (None never stops) if it may skip whole batches."
+            )
 
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
