@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow lint clean
+.PHONY: install sandbox demo test test-slow lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,17 @@ $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed sandbox
+
+# code_reward runs generated programs in a bubblewrap sandbox (setpriv, from util-linux, drops root to uid 65534).
+sandbox:
+	@command -v bwrap >/dev/null && command -v setpriv >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux; \
+	  else \
+	    echo "code_reward needs bubblewrap: install the 'bubblewrap' package (e.g. sudo apt-get install bubblewrap)"; \
+	    exit 1; \
+	  fi; }
 
 demo: install
 	$(BIN)/python -m trl_diffusion.demo

@@ -355,31 +355,6 @@ def test_code_huge_memory_fails():
     assert rewards == [0.0, 0.0]
 
 
-def test_code_sandbox_blocks_network_processes_and_outside_writes(tmp_path, monkeypatch):
-    monkeypatch.setenv("SECRET_TOKEN", "hunter2")
-    outside = tmp_path / "escaped.txt"
-    add = "def add(a, b):\n    return a + b\n"
-    tests = [
-        "assert add(1, 2) == 3",  # passes: the rest must fail
-        "import socket\nsocket.create_connection(('127.0.0.1', 9))",
-        "import _socket\n_socket.socket()",
-        "import subprocess\nsubprocess.run(['true'])",
-        "import os\nos.system('true')",
-        "import os\nos.fork()",
-        "import ctypes",
-        f"open({str(outside)!r}, 'w').write('x')",
-        "import os\nassert 'SECRET_TOKEN' in os.environ",
-        "open('scratch.txt', 'w').write('x')\nassert open('scratch.txt').read() == 'x'",  # passes: its own directory
-        "import os\nos.chdir('/')\nopen('escaped.txt', 'w')",  # relative paths resolve against the new directory
-    ]
-    run = run_tests(add, tests, timeout_seconds=10)
-    assert (run.passed, run.total) == (2, len(tests))
-    assert not outside.exists()
-    # A program that opens a socket at import time loads nothing, so every test fails.
-    socket_program = answer_code("import socket\nsocket.socket().connect(('127.0.0.1', 9))\n" + add)
-    assert code_reward([socket_program], tests=[TESTS], timeout_seconds=10) == [0.0]
-
-
 def test_largest_digit_reward_is_an_exact_match():
     completions = ["8", " 8\n", "6", "8.0", "88", "<answer>8</answer>", [{"role": "assistant", "content": "8"}], "8"]
     answers = ["8"] * 7 + [None]

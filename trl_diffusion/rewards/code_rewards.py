@@ -1,28 +1,46 @@
-"""Code: the pass rate of a task's test cases, each program run in a sandboxed subprocess."""
+"""Code: the pass rate of a task's test cases. Programs run in an OS-level sandbox; verdicts are decided outside it.
+
+The judge (this module, in a worker process) runs the dataset's setup and test code itself. Each name a test uses
+that neither the setup, the test itself, the builtins nor the standard library defines is the program's: it stands
+for a [`_CandidateFunction`], whose calls are sent to the sandbox as plain data (`repr`, read back with
+`ast.literal_eval`), where the program computes the answer. So the program never sees a test or an expected value,
+only the arguments of calls, and whatever it does in its own process (rebinding builtins, editing frames, forging
+output, returning objects with a custom `__eq__`) changes nothing but the plain values it answers with.
+"""
 
 from __future__ import annotations
 
-import json
-import math
-import os
+import builtins
+import functools
+import importlib
+import logging
 import re
-import secrets
-import signal
-import subprocess
+import symtable
 import sys
-import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ._sandbox_runner import decode, encode
+from .sandbox import (
+    SandboxClosed,
+    SandboxLimits,
+    SandboxProcess,
+    SandboxTimeout,
+    check_sandbox,
+    sandbox_command,
+    scratch_directory,
+    unsafe_command,
+)
 from .utils import column_values, completion_text, extract_answer
+from .workers import map_with_timeout
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 5.0
 DEFAULT_MEMORY_LIMIT_MB = 1024
-# Files the candidate may write in its scratch directory.
-MAX_FILE_BYTES = 16 * 2**20
+# The judge's own hard limit beyond the sandbox's: its start-up and the tests' own code.
+_JUDGE_SLACK_SECONDS = 10.0
 
-_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_runner.py")
 _CODE_BLOCK_PATTERN = re.compile(r"```[\w+-]*[^\S\n]*\n(.*?)```", re.DOTALL)
 
 
@@ -68,73 +86,198 @@ def extract_code(text: str) -> str | None:
     return blocks[-1] if blocks else answer
 
 
+class CandidateError(Exception):
+    """A call of the candidate program gave no plain value: it raised an exception that is not a builtin
+    `Exception`, or returned something that is not plain data."""
+
+
+class _SandboxGone(BaseException):
+    """The sandbox timed out or closed: the running test fails (a test's `except Exception` does not catch this)."""
+
+
+class _Channel:
+    """The judge's end of the messages with one sandboxed program."""
+
+    def __init__(self, sandbox: SandboxProcess):
+        self.sandbox = sandbox
+        self.gone: _SandboxGone | None = None
+        self.timed_out = False
+
+    def exchange(self, message: bytes):
+        """Sends a message and decodes the answer; the sandbox is killed on a timeout or a protocol error."""
+        if self.gone is not None:
+            raise self.gone
+        try:
+            self.sandbox.send(message)
+            return decode(self.sandbox.receive())
+        except SandboxTimeout:
+            self.timed_out = True
+            self.gone = _SandboxGone("timed out")
+        except (SandboxClosed, ValueError) as error:
+            self.sandbox.close()
+            self.gone = _SandboxGone(str(error))
+        raise self.gone
+
+    def call(self, name: str, args: tuple, kwargs: dict):
+        try:
+            request = encode((name, args, kwargs))
+        except ValueError as error:
+            raise TypeError(f"{name}(...) is called with an argument that is not plain data ({error})") from None
+        reply = self.exchange(request)
+        if type(reply) is not tuple or len(reply) != 2 or reply[0] not in ("ok", "raise", "unserialisable"):
+            self.sandbox.close()
+            self.gone = _SandboxGone("a malformed answer")
+            raise self.gone
+        status, value = reply
+        if status == "ok":
+            return value
+        error = getattr(builtins, value, None) if type(value) is str else None
+        if status == "raise" and isinstance(error, type) and issubclass(error, Exception):
+            raise error(f"raised by {name} in the sandbox")
+        raise CandidateError(f"{name} gave {status} {value!r}")
+
+
+class _CandidateFunction:
+    """Stands, in the judge, for a name the program defines: calling it calls the program's function in the sandbox
+    with the same (plain data) arguments and returns its (plain data) answer."""
+
+    def __init__(self, channel: _Channel, name: str):
+        self._channel = channel
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        return self._channel.call(self._name, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<candidate {self._name}>"
+
+
+def _global_names(source: str) -> set[str]:
+    """Names `source` reads from its module's globals without binding them there itself (`symtable`: nested
+    functions, lambdas and comprehensions included)."""
+    module = symtable.symtable(source, "<test>", "exec")
+    bound = {symbol.get_name() for symbol in module.get_symbols() if symbol.is_assigned() or symbol.is_imported()}
+    names = {symbol.get_name() for symbol in module.get_symbols() if symbol.is_referenced()}
+    tables = list(module.get_children())
+    while tables:
+        table = tables.pop()
+        names |= {symbol.get_name() for symbol in table.get_symbols() if symbol.is_global()}
+        tables.extend(table.get_children())
+    return names - bound
+
+
+def _resolve_names(namespace: dict, source: str, channel: _Channel) -> None:
+    """Binds the names a test needs and its namespace lacks: a standard-library module by its own name (MBPP's
+    tests use `math` that the reference solution imports), anything else the program's function."""
+    for name in _global_names(source) - namespace.keys() - vars(builtins).keys():
+        if name in sys.stdlib_module_names:
+            namespace[name] = importlib.import_module(name)
+        else:
+            namespace[name] = _CandidateFunction(channel, name)
+
+
+@functools.cache
+def _warn_unsafe() -> None:
+    logger.warning(
+        "code_reward runs generated programs WITHOUT isolation (unsafe_local_execution=True): a program can read "
+        "every file and environment variable this user can, use the network, and kill processes. Verdicts are "
+        "still decided outside the program's process."
+    )
+
+
 def run_tests(
     solution: str,
     tests: Sequence[str],
     setup: str = "",
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
     memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
+    unsafe_local_execution: bool = False,
 ) -> TestRun:
-    """Runs a program and its test cases in a fresh, limited Python subprocess.
+    """Judges a program on its test cases: the program runs in a fresh sandbox, the tests here.
 
-    The child is `python -I -B` (isolated: no `PYTHON*` variables, no user site-packages) with an empty environment
-    (no tokens or keys to read), started in a new session inside a scratch directory that is deleted afterwards. It
-    caps its address space at `memory_limit_mb` and its CPU time, and an audit hook refuses sockets, subprocesses,
-    signals, ctypes and writes outside the scratch directory (see `_sandbox_runner.py`). This contains mistakes and
-    casual escapes of generated code, not a determined attacker: use a container for untrusted code at scale.
+    The program runs in a bubblewrap sandbox (see `trl_diffusion.rewards.sandbox`): its own user, PID, network and
+    mount namespaces, uid 65534, a read-only filesystem with only `/usr` and the Python prefix, a fresh scratch
+    `/tmp`, an empty environment, and limits on CPU time, memory, processes, file size and open files. The setup and
+    the tests run in this process, the judge: names of the program that a test uses are stand-ins whose calls are
+    answered by the sandbox with plain data (see the module docstring), so the comparisons with expected values happen
+    here, on builtin values only. A test passes if it raises nothing. Tests that need more than plain values of the
+    program's functions (its classes, generators, printed output, or mutation of the arguments) fail.
 
     Args:
         solution (`str`):
             The candidate program.
         tests (`list[str]`):
-            Test case snippets (e.g. `assert f(2) == 4`), run in order in the program's namespace; each passes if it
-            raises nothing.
+            Test case snippets (e.g. `assert f(2) == 4`), run in order in one namespace; each passes if it raises
+            nothing. Trusted code: they run in this process.
         setup (`str`, *optional*, defaults to `""`):
-            Code run before the program (imports the tests or the prompt's signature rely on).
+            Code run before the program in the sandbox (imports the program or the prompt's signature rely on), and
+            before the tests here. Trusted code.
         timeout_seconds (`float`, *optional*, defaults to `5.0`):
-            Wall-clock limit for the whole run; the process group is killed when it is reached and nothing passes.
+            Wall-clock limit of the whole run, sandbox start-up included; the sandbox is killed when it is reached and
+            nothing passes.
         memory_limit_mb (`int`, *optional*, defaults to `1024`):
-            Address-space limit of the child; allocating past it raises `MemoryError` in the child.
+            Address-space limit of the program; allocating past it raises `MemoryError` there.
+        unsafe_local_execution (`bool`, *optional*, defaults to `False`):
+            Run the program in a plain subprocess (empty environment, same limits, a scratch working directory) when
+            no sandbox is available; logged as a warning. Only for code you trust.
 
     Returns:
         [`TestRun`]: passed and total test cases, and whether the time limit was hit.
+
+    Raises:
+        SandboxUnavailableError: no bubblewrap sandbox works here and `unsafe_local_execution` is `False`.
+        ValueError: the setup itself fails in the judge.
     """
-    nonce = secrets.token_hex(16)
-    job = {
-        "setup": setup,
-        "solution": solution,
-        "tests": list(tests),
-        "nonce": nonce,
-        "memory_bytes": memory_limit_mb * 2**20,
-        "cpu_seconds": math.ceil(timeout_seconds) + 1,
-        "file_bytes": MAX_FILE_BYTES,
-    }
-    with tempfile.TemporaryDirectory(prefix="trl_diffusion_sandbox_") as sandbox_dir:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-B", _RUNNER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            cwd=sandbox_dir,
-            env={},
-            start_new_session=True,  # its own process group, so the kill below reaches anything it started
-        )
-        try:
-            stdout, _ = process.communicate(json.dumps(job).encode(), timeout=timeout_seconds)
-        except subprocess.TimeoutExpired:
-            # The child is not reaped yet, so its process group id cannot have been reused.
+    total = len(tests)
+    limits = SandboxLimits(timeout_seconds=timeout_seconds, memory_limit_mb=memory_limit_mb)
+    namespace = {"__name__": "__judge__"}
+    try:
+        exec(compile(setup, "<setup>", "exec"), namespace)
+    except Exception as error:
+        raise ValueError(f"The test_setup code fails on its own ({type(error).__name__}: {error}).") from error
+    if unsafe_local_execution:
+        _warn_unsafe()
+        scratch = scratch_directory()
+        command, cwd = unsafe_command(), scratch.name
+    else:
+        scratch = None
+        command, cwd = sandbox_command(check_sandbox(), limits), None
+    try:
+        with SandboxProcess(command, limits, cwd=cwd) as sandbox:
+            channel = _Channel(sandbox)
             try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.communicate()
-            return TestRun(passed=0, total=len(tests), timed_out=True)
-    passed = 0
-    for line in stdout.decode(errors="replace").splitlines():
-        fields = line.split()
-        if len(fields) == 2 and fields[0] == nonce and fields[1].isdigit():
-            passed = min(int(fields[1]), len(tests))
-    return TestRun(passed=passed, total=len(tests))
+                loaded = channel.exchange(encode((setup, solution, limits.rlimits())))
+            except _SandboxGone:
+                return TestRun(passed=0, total=total, timed_out=channel.timed_out)
+            if loaded != ("loaded", True):
+                return TestRun(passed=0, total=total)
+            passed = 0
+            for index, test in enumerate(tests):
+                try:
+                    code = compile(test, f"<test {index}>", "exec")
+                    _resolve_names(namespace, test, channel)
+                except (SyntaxError, ImportError):
+                    continue
+                gone_before = channel.gone
+                try:
+                    exec(code, namespace)
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:  # noqa: BLE001 - a failed test, whatever it raised
+                    pass
+                else:
+                    # A test that swallowed the sandbox's end (a bare `except:`) fails all the same.
+                    passed += channel.gone is gone_before
+                if channel.timed_out:
+                    return TestRun(passed=0, total=total, timed_out=True)
+            return TestRun(passed=passed, total=total)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def _timed_out(job: tuple) -> TestRun:
+    return TestRun(passed=0, total=len(job[1]), timed_out=True)
 
 
 def _run_completions(
@@ -144,24 +287,33 @@ def _run_completions(
     timeout_seconds: float,
     memory_limit_mb: int,
     max_workers: int | None,
+    unsafe_local_execution: bool,
 ) -> list[TestRun | None]:
-    """Runs every completion that has tests; `None` for rows without tests, a zero run for rows without code. A
-    missing `tests` or `test_setup` column (see [`column_values`]) means none for every row."""
+    """Judges every completion that has tests, in parallel worker processes; `None` for rows without tests, a zero
+    run for rows without code. A missing `tests` or `test_setup` column (see [`column_values`]) means none for every
+    row."""
     tests = column_values(tests, len(completions))
     test_setup = column_values(test_setup, len(completions))
-
-    def run_one(completion, row_tests, row_setup) -> TestRun | None:
+    runs: list[TestRun | None] = [None] * len(completions)
+    jobs, rows = [], []
+    for row, (completion, row_tests, row_setup) in enumerate(zip(completions, tests, test_setup, strict=True)):
         if not row_tests:
-            return None
+            continue
         code = extract_code(completion_text(completion))
         if code is None:
-            return TestRun(passed=0, total=len(row_tests))
-        return run_tests(code, row_tests, row_setup or "", timeout_seconds, memory_limit_mb)
-
-    # Threads suffice: each one waits on its subprocess.
-    workers = max_workers or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as executor:
-        return list(executor.map(run_one, completions, tests, test_setup))
+            runs[row] = TestRun(passed=0, total=len(row_tests))
+            continue
+        jobs.append((code, list(row_tests), row_setup or "", timeout_seconds, memory_limit_mb, unsafe_local_execution))
+        rows.append(row)
+    if jobs and not unsafe_local_execution:
+        check_sandbox()  # here, so that a missing backend is one clear error rather than one per worker
+    # Each job in a worker process: parallel, and the judge's own time is bounded too (the sandbox bounds the program).
+    results = map_with_timeout(
+        run_tests, jobs, timeout_seconds + _JUDGE_SLACK_SECONDS, _timed_out, kind="code", max_workers=max_workers
+    )
+    for row, run in zip(rows, results):
+        runs[row] = run
+    return runs
 
 
 def code_reward(
@@ -171,6 +323,7 @@ def code_reward(
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
     memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
     max_workers: int | None = None,
+    unsafe_local_execution: bool = False,
     **kwargs,
 ) -> list[float | None]:
     r"""Fraction of the task's test cases that the completion's program passes (see [`run_tests`]).
@@ -192,7 +345,10 @@ def code_reward(
         memory_limit_mb (`int`, *optional*, defaults to `1024`):
             Address-space limit per program.
         max_workers (`int`, *optional*):
-            Programs run at once. Defaults to the number of CPUs, at most 8.
+            Programs judged at once (worker processes). Defaults to the number of CPUs, at most 8.
+        unsafe_local_execution (`bool`, *optional*, defaults to `False`):
+            Without a sandbox (bubblewrap), run programs in plain subprocesses instead of raising
+            `SandboxUnavailableError`; logged as a warning. Only for code you trust (see [`run_tests`]).
         **kwargs:
             The other columns and trainer arguments; unused.
 
@@ -208,7 +364,9 @@ def code_reward(
     [1.0, 0.0]
     ```
     """
-    runs = _run_completions(completions, tests, test_setup, timeout_seconds, memory_limit_mb, max_workers)
+    runs = _run_completions(
+        completions, tests, test_setup, timeout_seconds, memory_limit_mb, max_workers, unsafe_local_execution
+    )
     return [None if run is None else run.pass_rate for run in runs]
 
 
@@ -219,6 +377,7 @@ def code_solved(
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
     memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
     max_workers: int | None = None,
+    unsafe_local_execution: bool = False,
     **kwargs,
 ) -> list[float | None]:
     """1.0 when the completion's program passes every test case, else 0.0 (pass@1 of one sample).
@@ -235,12 +394,17 @@ def code_solved(
         memory_limit_mb (`int`, *optional*, defaults to `1024`):
             Address-space limit per program.
         max_workers (`int`, *optional*):
-            Programs run at once. Defaults to the number of CPUs, at most 8.
+            Programs judged at once (worker processes). Defaults to the number of CPUs, at most 8.
+        unsafe_local_execution (`bool`, *optional*, defaults to `False`):
+            Without a sandbox (bubblewrap), run programs in plain subprocesses instead of raising
+            `SandboxUnavailableError`; logged as a warning. Only for code you trust (see [`run_tests`]).
         **kwargs:
             The other columns and trainer arguments; unused.
 
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without tests.
     """
-    runs = _run_completions(completions, tests, test_setup, timeout_seconds, memory_limit_mb, max_workers)
+    runs = _run_completions(
+        completions, tests, test_setup, timeout_seconds, memory_limit_mb, max_workers, unsafe_local_execution
+    )
     return [None if run is None else float(run.passed == run.total) for run in runs]

@@ -2,12 +2,11 @@ r"""Math answers: symbolic equivalence for MATH (math-verify), numeric equality 
 
 from __future__ import annotations
 
-import logging
 import math
 import re
-import threading
 
 from .utils import column_values, completion_text, extract_answer, last_boxed
+from .workers import map_with_timeout
 
 # A number as people write it: optional sign, thousands separators, decimals ("-1,234.5", "72", ".5").
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?"
@@ -99,16 +98,43 @@ def gsm8k_reward(completions: list, answer: list[str] | None = None, **kwargs) -
     return rewards
 
 
-def _math_verify_timeouts() -> tuple[int | None, int | None]:
-    # math_verify times out with signal.alarm, which only works in the main thread (as in trl's accuracy_reward).
-    if threading.current_thread() is threading.main_thread():
-        return 10, 5
-    logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
-    logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
-    return None, None
+DEFAULT_MATH_TIMEOUT_SECONDS = 5.0
 
 
-def math_reward(completions: list, answer: list[str] | None = None, **kwargs) -> list[float | None]:
+def _math_score(text: str, gold_text: str, timeout_seconds: float) -> float | None:
+    """`math_reward` of one completion; runs in a worker process (see `math_reward`)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    # math-verify's own timeouts (signal.alarm, in the worker's main thread) stop slow Python code early and keep
+    # the worker; the worker pool's hard timeout covers the rest (C code, which ignores signals).
+    soft_timeout = max(1, int(timeout_seconds / 2))
+    boxed_first = LatexExtractionConfig(boxed_match_priority=0)
+    # Outside an answer block only anchored LaTeX counts (\boxed{}, "final answer is $...$"), not any formula.
+    anchored_only = LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
+    gold = parse(rf"\boxed{{{gold_text}}}", extraction_config=[boxed_first], parsing_timeout=soft_timeout)
+    if not gold:
+        return None
+    answer_block = extract_answer(text)
+    if answer_block is not None:
+        prediction = parse(
+            answer_block, extraction_config=[boxed_first, ExprExtractionConfig()], parsing_timeout=soft_timeout
+        )
+    else:
+        prediction = parse(text, extraction_config=[anchored_only], parsing_timeout=soft_timeout)
+    return float(bool(prediction) and verify(gold, prediction, timeout_seconds=soft_timeout))
+
+
+def _math_timed_out(job: tuple) -> float:
+    return 0.0
+
+
+def math_reward(
+    completions: list,
+    answer: list[str] | None = None,
+    timeout_seconds: float = DEFAULT_MATH_TIMEOUT_SECONDS,
+    max_workers: int | None = None,
+    **kwargs,
+) -> list[float | None]:
     r"""1.0 when the completion's final answer is mathematically equivalent to the gold answer (math-verify).
 
     The prediction is read from the last `<answer>` block when there is one (a `\boxed{}` inside it first, else a
@@ -116,11 +142,20 @@ def math_reward(completions: list, answer: list[str] | None = None, **kwargs) ->
     whole text. The gold answer is parsed as if boxed, so MATH-500's bare LaTeX (`\left( 3, \frac{\pi}{2} \right)`)
     is read whole. So `\boxed{\frac{1}{2}}` matches a gold `0.5`, and `0.5` matches a gold `\frac{1}{2}`.
 
+    Each completion is scored in a worker process with a hard timeout (sympy can spend minutes in C code on
+    `\boxed{2^{2^{2^{2^{10}}}}}`, where no signal reaches it): past `timeout_seconds` the worker is killed and the
+    completion scores 0.0. This works from any thread, and a batch of n completions costs at most
+    `ceil(n / max_workers)` timeouts.
+
     Args:
         completions (`list[str]` or `list[list[dict[str, str]]]`):
             Completions, standard (strings) or conversational (lists of messages).
         answer (`list[str]`, *optional*):
             The dataset's `answer` column: the gold final answer in LaTeX without delimiters.
+        timeout_seconds (`float`, *optional*, defaults to `5.0`):
+            Hard limit per completion (parsing both answers and comparing them).
+        max_workers (`int`, *optional*):
+            Completions scored at once (worker processes). Defaults to the number of CPUs, at most 8.
         **kwargs:
             The other columns and trainer arguments; unused.
 
@@ -136,28 +171,19 @@ def math_reward(completions: list, answer: list[str] | None = None, **kwargs) ->
     [1.0, 1.0, 0.0]
     ```
     """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
     answer = column_values(answer, len(completions))
-    parsing_timeout, verify_timeout = _math_verify_timeouts()
-    boxed_first = LatexExtractionConfig(boxed_match_priority=0)
-    # Outside an answer block only anchored LaTeX counts (\boxed{}, "final answer is $...$"), not any formula.
-    anchored_only = LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
-    rewards = []
-    for completion, gold_text in zip(completions, answer, strict=True):
-        gold = []
-        if gold_text:
-            gold = parse(rf"\boxed{{{gold_text}}}", extraction_config=[boxed_first], parsing_timeout=parsing_timeout)
-        if not gold:
-            rewards.append(None)
-            continue
-        text = completion_text(completion)
-        answer_block = extract_answer(text)
-        if answer_block is not None:
-            prediction = parse(
-                answer_block, extraction_config=[boxed_first, ExprExtractionConfig()], parsing_timeout=parsing_timeout
-            )
-        else:
-            prediction = parse(text, extraction_config=[anchored_only], parsing_timeout=parsing_timeout)
-        rewards.append(float(bool(prediction) and verify(gold, prediction, timeout_seconds=verify_timeout)))
+    rewards: list[float | None] = [None] * len(completions)
+    rows = [row for row, gold_text in enumerate(answer) if gold_text]
+    jobs = [(completion_text(completions[row]), str(answer[row]), timeout_seconds) for row in rows]
+    scores = map_with_timeout(
+        _math_score,
+        jobs,
+        timeout_seconds,
+        _math_timed_out,
+        kind="math",
+        max_workers=max_workers,
+        preload=["math_verify", "trl_diffusion.rewards.math_rewards"],
+    )
+    for row, score in zip(rows, scores):
+        rewards[row] = score
     return rewards
