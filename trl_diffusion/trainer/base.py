@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 # Streams of randomness derived from one rollout row key.
 _SAMPLING_STREAM = 0
 _MASK_STREAM = 1
+# Per process, in a checkpoint: the rollout round in progress and the counters that drive it.
+ROLLOUT_STATE_NAME = "rollout_state_{}.pt"
 
 
 @dataclass
@@ -627,6 +629,52 @@ class DiffusionGRPOTrainer(GRPOTrainer):
                 shutil.copyfile(card, os.path.join(checkpoint, "README.md"))
         super()._save_checkpoint(model, trial)
 
+    def _save_rng_state(self, output_dir):
+        # With the random states, and for the same reason: a run resumed inside a rollout round (`num_iterations`
+        # > 1 or `steps_per_generation` > GA) must train on the rest of that round's rollouts, which TRL keeps in
+        # memory only (`_buffered_inputs`), at the inner iteration (`_step`) where the round was left.
+        super()._save_rng_state(output_dir)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        in_round = self._step % generate_every != 0 and self._buffered_inputs is not None
+        state = {
+            "step": self._step,
+            "num_processes": self.accelerator.num_processes,
+            "buffered_inputs": [_batch_to(batch, "cpu") for batch in self._buffered_inputs] if in_round else None,
+            "eval_rollouts": self._eval_rollouts,
+            "failed_reward_steps": dict(self._failed_reward_steps),
+        }
+        torch.save(state, os.path.join(output_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called once on every resume, whatever the backend.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(self.accelerator.process_index))
+        if not os.path.isfile(path):
+            logger.warning(
+                "%s has no %s: if it was saved inside a rollout round, the resumed run regenerates that round's "
+                "rollouts and departs from the uninterrupted run.",
+                checkpoint,
+                os.path.basename(path),
+            )
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["num_processes"] != self.accelerator.num_processes:
+            logger.warning(
+                "%s was saved by %d processes and is resumed by %d: the rollout round in progress is regenerated.",
+                checkpoint,
+                state["num_processes"],
+                self.accelerator.num_processes,
+            )
+            return
+        self._step = state["step"]
+        if state["buffered_inputs"] is not None:
+            device = self.accelerator.device
+            self._buffered_inputs = [_batch_to(batch, device) for batch in state["buffered_inputs"]]
+        self._eval_rollouts = state["eval_rollouts"]
+        self._failed_reward_steps = dict(state["failed_reward_steps"])
+
     # ------------------------------------------------------------------ backward in pieces
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
@@ -713,3 +761,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     def rollout_inputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(prompt_ids, prompt_mask, completion_canvas)` of a batch: what the likelihood estimators score."""
         return inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_canvas"]
+
+
+def _batch_to(batch: dict, device) -> dict:
+    """A batch dict with its tensors moved to `device` (other values kept)."""
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
