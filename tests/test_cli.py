@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -131,9 +132,34 @@ def test_help_lists_every_field(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
+    refused = getattr(config_class, "unsupported_fields", {})
     for dataclass in (DiffusionScriptArguments, config_class, ModelConfig):
-        missing = [f.name for f in dataclasses.fields(dataclass) if f.init and f"--{f.name} " not in help_text]
+        fields = [f.name for f in dataclasses.fields(dataclass) if f.init]
+        missing = [name for name in fields if name not in refused and f"  --{name} " not in help_text]
         assert not missing, f"`trl-diffusion {command} --help` misses {dataclass.__name__} fields {missing}"
+    offered = [name for name in refused if re.search(rf"--{name}\b", help_text)]
+    assert not offered, f"`trl-diffusion {command} --help` offers the refused fields {offered}"
+    # The package's own flags first, in groups; TRL's and transformers' after them.
+    titles = [line for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles[0] == "options:" and titles[1].startswith("DiffusionScriptArguments")
+    assert titles[-2:] == [
+        f"TRL ({'SFTConfig' if command == 'sft' else 'GRPOConfig'}):",
+        "transformers (TrainingArguments):",
+    ]
+    assert help_text.index("--model_name_or_path") < help_text.index("--learning_rate")
+    if command != "sft":
+        assert titles[2] == "diffusion sampler and ELBO estimator (DiffusionGRPOConfig):"
+        sampler = help_text[help_text.index(titles[2]) : help_text.index(titles[3])]
+        assert all(f"--{name} " in sampler for name in ("max_completion_length", "block_length", "diffusion_steps"))
+
+
+def test_refused_fields_are_rejected_by_the_command_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bgpo", "--model_name_or_path", "m", "--dataset_name", "countdown", "--use_vllm", "true"])
+    assert exit_info.value.code == 2
+    assert (
+        "--use_vllm is not supported by trl_diffusion (vLLM has no masked-diffusion sampler" in capsys.readouterr().err
+    )
 
 
 def test_eval_help_lists_every_field(capsys):

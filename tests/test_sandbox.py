@@ -414,6 +414,12 @@ def trainer_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def peak_rss(pid: int) -> int:
+    """The most memory a process ever held (VmHWM), in bytes."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
 @pytest.fixture(scope="module")
 def batch(host):
     """All attacks and correct solutions judged in one parallel `code_reward` call."""
@@ -425,16 +431,12 @@ def batch(host):
     start = time.perf_counter()
     rewards = code_reward(completions, tests=tests, timeout_seconds=TIMEOUT, max_workers=2)
     elapsed = time.perf_counter() - start
-    judge_rss = [
-        psutil.Process(worker.process.pid).memory_info().rss
-        for pool in workers._pools.values()
-        for worker in pool._workers
-    ]
+    judge_peak_rss = [peak_rss(worker.process.pid) for pool in workers._pools.values() for worker in pool._workers]
     return {
         "rewards": dict(zip(names, rewards)),
         "elapsed": elapsed,
         "rss_growth": trainer_rss() - rss_before,
-        "judge_rss": judge_rss,
+        "judge_peak_rss": judge_peak_rss,
         "connections": host.connections(),
         "marked_files": host.marked_files(),
     }
@@ -465,7 +467,7 @@ def test_batch_leaves_nothing_on_the_host_and_the_trainer_alive_with_bounded_mem
     assert psutil.pid_exists(host.pid) and all(pool._workers for pool in workers._pools.values())
     # 400 MB floods and a 1 GiB memory bomb went by: the trainer grew by less than 64 MiB, the judges stayed small.
     assert batch["rss_growth"] < 64 * 2**20
-    assert max(batch["judge_rss"]) < 256 * 2**20
+    assert max(batch["judge_peak_rss"]) < 256 * 2**20
     # 34 programs, three of them killed at the 3 s limit (loop, fork and thread bombs), two at a time.
     assert batch["elapsed"] < 45
 

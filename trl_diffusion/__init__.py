@@ -1,72 +1,98 @@
 """trl_diffusion: reinforcement learning from verifiable rewards for masked diffusion language models.
 
 Importing the package registers the native LLaDA (`model_type="llada"`) and Dream (`model_type="Dream"`) models with
-the transformers Auto classes, so their published checkpoints load without `trust_remote_code`.
+the transformers Auto classes, so their published checkpoints load without `trust_remote_code`. Everything else is
+imported on first use (`trl_diffusion.BGPOTrainer` imports TRL's trainer then), so that `trl-diffusion --help` and
+scripts that only need the models do not pay for TRL, PEFT and bitsandbytes.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
+
+from . import models  # noqa: F401  (registers "llada" and "Dream" with the Auto classes)
 
 __version__ = "0.1.0.dev0"
 
-from .evaluation import TaskEvaluationCallback, evaluate_task
-from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cut_at_terminator, generate
-from .likelihood import elbo_term, elbo_terms, exact_elbo, exact_elbo_eps, masked_token_logprobs, mean_field_logprobs
-from .masking import MaskPlan, completion_region, length_normaliser, new_mask_seeds, sample_masks
-from .models import DiffusionAdapter, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
-from .tasks import TASKS, Task, get_task
-from .trainer import (
-    BGPOConfig,
-    BGPOTrainer,
-    DiffuGRPOConfig,
-    DiffuGRPOTrainer,
-    DiffusionGRPOConfig,
-    DiffusionGRPOTrainer,
-    DiffusionSFTConfig,
-    DiffusionSFTTrainer,
-    ESPOConfig,
-    ESPOTrainer,
-    LFPOConfig,
-    LFPOTrainer,
-    VRPOConfig,
-    VRPOTrainer,
-)
+# submodule -> the public names it defines (as TRL's and transformers' `_import_structure`)
+_import_structure = {
+    "evaluation": ["TaskEvaluationCallback", "evaluate_task"],
+    "generation": ["DiffusionGenerationConfig", "DiffusionGenerationOutput", "cut_at_terminator", "generate"],
+    "likelihood": [
+        "elbo_term",
+        "elbo_terms",
+        "exact_elbo",
+        "exact_elbo_eps",
+        "masked_token_logprobs",
+        "mean_field_logprobs",
+    ],
+    "masking": ["MaskPlan", "completion_region", "length_normaliser", "new_mask_seeds", "sample_masks"],
+    "models": ["DiffusionAdapter", "DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM"],
+    "tasks": ["TASKS", "Task", "get_task"],
+    "trainer": [
+        "BGPOConfig",
+        "BGPOTrainer",
+        "DiffuGRPOConfig",
+        "DiffuGRPOTrainer",
+        "DiffusionGRPOConfig",
+        "DiffusionGRPOTrainer",
+        "DiffusionSFTConfig",
+        "DiffusionSFTTrainer",
+        "ESPOConfig",
+        "ESPOTrainer",
+        "LFPOConfig",
+        "LFPOTrainer",
+        "VRPOConfig",
+        "VRPOTrainer",
+    ],
+}
+_LAZY_IMPORTS = {name: module for module, names in _import_structure.items() for name in names}
+__all__ = list(_LAZY_IMPORTS)
 
-__all__ = [
-    "BGPOConfig",
-    "BGPOTrainer",
-    "DiffuGRPOConfig",
-    "DiffuGRPOTrainer",
-    "DiffusionGRPOConfig",
-    "DiffusionGRPOTrainer",
-    "ESPOConfig",
-    "ESPOTrainer",
-    "LFPOConfig",
-    "LFPOTrainer",
-    "VRPOConfig",
-    "VRPOTrainer",
-    "DiffusionSFTConfig",
-    "DiffusionSFTTrainer",
-    "TaskEvaluationCallback",
-    "evaluate_task",
-    "DiffusionAdapter",
-    "DiffusionGenerationConfig",
-    "DiffusionGenerationOutput",
-    "DreamConfig",
-    "DreamModel",
-    "LLaDAConfig",
-    "LLaDAModelLM",
-    "MaskPlan",
-    "completion_region",
-    "cut_at_terminator",
-    "elbo_term",
-    "elbo_terms",
-    "exact_elbo",
-    "exact_elbo_eps",
-    "generate",
-    "length_normaliser",
-    "masked_token_logprobs",
-    "mean_field_logprobs",
-    "new_mask_seeds",
-    "sample_masks",
-    "TASKS",
-    "Task",
-    "get_task",
-]
+
+def __getattr__(name: str):
+    if name in _LAZY_IMPORTS:
+        value = getattr(importlib.import_module(f".{_LAZY_IMPORTS[name]}", __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule, as `trl_diffusion.trainer`
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from .evaluation import TaskEvaluationCallback, evaluate_task
+    from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cut_at_terminator, generate
+    from .likelihood import (
+        elbo_term,
+        elbo_terms,
+        exact_elbo,
+        exact_elbo_eps,
+        masked_token_logprobs,
+        mean_field_logprobs,
+    )
+    from .masking import MaskPlan, completion_region, length_normaliser, new_mask_seeds, sample_masks
+    from .models import DiffusionAdapter, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
+    from .tasks import TASKS, Task, get_task
+    from .trainer import (
+        BGPOConfig,
+        BGPOTrainer,
+        DiffuGRPOConfig,
+        DiffuGRPOTrainer,
+        DiffusionGRPOConfig,
+        DiffusionGRPOTrainer,
+        DiffusionSFTConfig,
+        DiffusionSFTTrainer,
+        ESPOConfig,
+        ESPOTrainer,
+        LFPOConfig,
+        LFPOTrainer,
+        VRPOConfig,
+        VRPOTrainer,
+    )

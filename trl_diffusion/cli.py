@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -28,6 +30,7 @@ from pathlib import Path
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from .generation import REMASKING_STRATEGIES, SCHEDULES
+from .hub import HubPushError
 
 # Set in the processes that `--accelerate_config` launches, so that they train instead of launching again (the
 # option may also come from a `--config` file, which they read too).
@@ -320,12 +323,93 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Defaults in the help of every flag (as TRL), and the description (an example's docstring) as written."""
 
 
-def make_training_parser(command: str, prog: str | None = None, description: str | None = None) -> TrlParser:
-    """The `TrlParser` of a training subcommand: (script arguments, the trainer's config, `trl.ModelConfig`)."""
+class DiffusionTrlParser(TrlParser):
+    """`trl.TrlParser` whose `--help` shows the package's own flags first, in argument groups (script arguments, the
+    diffusion sampler and estimator, the algorithm, the model, then TRL's and transformers' fields), and which offers
+    no flag for the fields a config refuses (its `unsupported_fields`, e.g. `use_vllm`, `top_p`): they keep their
+    default, the only value the config accepts."""
+
+    def _add_dataclass_arguments(self, dtype):
+        type_hints = typing.get_type_hints(dtype)
+        refused = getattr(dtype, "unsupported_fields", {})
+        for field_ in dataclasses.fields(dtype):
+            if not field_.init:
+                continue
+            if field_.name in refused:
+                # No flag, but a namespace entry: the parsed dataclass gets its default, the one value it accepts.
+                default = field_.default_factory() if field_.default is dataclasses.MISSING else field_.default
+                self.set_defaults(**{field_.name: default})
+                continue
+            field_.type = type_hints[field_.name]
+            self._parse_dataclass_field(self._argument_group(*_field_group(dtype, field_.name)), field_)
+        # argparse lists groups in the order they were made; keep its own two ("positional arguments", "options")
+        # first and the rest in rank order.
+        ranked = sorted(self._action_groups[2:], key=lambda group: self._group_ranks[group.title])
+        self._action_groups[2:] = ranked
+
+    @property
+    def refused_fields(self) -> dict[str, tuple[tuple, str]]:
+        """The `unsupported_fields` of the parsed dataclasses: name -> (accepted values, why)."""
+        return {
+            name: value
+            for dtype in self.dataclass_types
+            for name, value in getattr(dtype, "unsupported_fields", {}).items()
+        }
+
+    def set_defaults_with_config(self, **kwargs) -> list[str]:
+        # A recipe may spell out a refused field at a value the config accepts anyway (`use_vllm: false`).
+        refused = self.refused_fields
+        kwargs = {key: value for key, value in kwargs.items() if not (key in refused and value in refused[key][0])}
+        return super().set_defaults_with_config(**kwargs)
+
+    def error_on_refused(self, strings: list[str]) -> None:
+        """Exits with a usage error naming the first refused field among unparsed `strings` and why it is refused."""
+        refused = self.refused_fields
+        for item in strings:
+            name = item.split("=", 1)[0].removeprefix("--").replace("-", "_")
+            if item.startswith("--") and name in refused:
+                allowed, reason = refused[name]
+                self.error(f"--{name} is not supported by trl_diffusion ({reason}); leave it at {allowed[0]!r}.")
+
+    def _argument_group(self, rank: int, title: str):
+        if not hasattr(self, "_groups"):
+            self._groups, self._group_ranks = {}, {}
+        if title not in self._groups:
+            self._groups[title] = self.add_argument_group(title)
+            self._group_ranks[title] = rank
+        return self._groups[title]
+
+
+def _field_group(dtype: type, name: str) -> tuple[int, str]:
+    """`(rank, title)` of the `--help` group of field `name` of dataclass `dtype`, by the class that declares it."""
+    if dtype is ModelConfig:
+        return 3, "model, PEFT and quantization (trl.ModelConfig)"
+    if not dataclasses.is_dataclass(dtype) or not hasattr(dtype, "output_dir"):  # script arguments
+        return 0, f"{dtype.__name__}: dataset, rewards, evaluation, launch"
+    owner = next(cls for cls in dtype.__mro__ if name in inspect.get_annotations(cls))
+    if owner.__module__.startswith("trl_diffusion."):
+        from .trainer import DiffusionGRPOConfig
+
+        if owner is DiffusionGRPOConfig:
+            return 1, "diffusion sampler and ELBO estimator (DiffusionGRPOConfig)"
+        return 2, f"{dtype.__name__}: the algorithm's settings"
+    if owner.__module__.startswith("trl."):
+        trl_class = next(
+            cls for cls in dtype.__mro__ if cls.__module__.startswith("trl.trainer.") and cls.__name__[0] != "_"
+        )
+        return 4, f"TRL ({trl_class.__name__})"
+    return 5, "transformers (TrainingArguments)"
+
+
+def make_training_parser(command: str, prog: str | None = None, description: str | None = None) -> DiffusionTrlParser:
+    """The parser of a training subcommand: (script arguments, the trainer's config, `trl.ModelConfig`)."""
     config_class, _ = _trainer_classes(command)
-    return TrlParser(
+    prog = prog or f"trl-diffusion {command}"
+    return DiffusionTrlParser(
         (DiffusionScriptArguments, config_class, ModelConfig),
-        prog=prog or f"trl-diffusion {command}",
+        prog=prog,
+        # argparse's own usage line would list all of the several hundred flags.
+        usage=f"{prog} [-h] [--config RECIPE.yaml] --model_name_or_path MODEL --dataset_name TASK [--FIELD VALUE ...]",
         description=description or TRAINING_COMMANDS[command][2],
         formatter_class=_HelpFormatter,
     )
@@ -494,6 +578,7 @@ def _launch_request(command: str, argv: list[str]) -> tuple[str | None, list[str
 def run_training(command: str, argv: list[str]) -> int:
     """`trl-diffusion COMMAND ARGV`: train in this process, or relaunch through accelerate."""
     accelerate_config, config_remaining, cli_remaining = _launch_request(command, argv)
+    make_training_parser(command).error_on_refused(config_remaining + cli_remaining)
     if accelerate_config and not os.environ.get(_LAUNCHED_ENV):
         launch_args = config_remaining + cli_remaining
         launch_with_accelerate(command, _subtract_subsequence(argv, cli_remaining), accelerate_config, launch_args)
@@ -649,4 +734,8 @@ def main(argv: list[str] | None = None) -> int:
 
         demo_main(command_argv)
         return 0
-    return run_training(args.command, command_argv)
+    try:
+        return run_training(args.command, command_argv)
+    except HubPushError as error:  # offline, not logged in, or no network: one line says which and what to do
+        print(f"trl-diffusion {args.command}: error: {error}", file=sys.stderr)
+        return 1

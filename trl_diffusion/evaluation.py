@@ -340,17 +340,20 @@ class TaskEvaluationCallback(TrainerCallback):
         from trl.distributed import DistributedBackend
         from trl.models.utils import unwrap_model_for_generation
 
+        from .trainer.base import trl_checkpointing_deprecations_silenced
+
         trainer = self.trainer
         if self._dataset is None:
             self._dataset = self.task.load(split=self.split, num_examples=self.num_examples, seed=self.seed)
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         args = trainer.args
         with (
+            trl_checkpointing_deprecations_silenced(),
             unwrap_model_for_generation(
                 trainer.model_wrapped,
                 trainer.accelerator,
                 gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+                gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
             ) as model,
             DistributedBackend(trainer.accelerator).summon_full_params(trainer.model_wrapped, recurse=False),
         ):

@@ -305,12 +305,14 @@ class SandboxProcess:
             SandboxTimeout: the deadline passed first.
             SandboxClosed: the process exited, or the message or the total output is over its limit.
         """
+        searched = 0  # the buffer before this holds no newline: each byte is searched once
         while True:
-            end = self._buffer.find(b"\n")
+            end = self._buffer.find(b"\n", searched)
             if end >= 0:
                 message = bytes(self._buffer[:end])
                 del self._buffer[: end + 1]
                 return message
+            searched = len(self._buffer)
             if len(self._buffer) > self.limits.max_message_bytes:
                 self.close()
                 raise SandboxClosed(f"a message is longer than {self.limits.max_message_bytes} bytes")

@@ -20,15 +20,17 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 from accelerate.utils import DistributedType
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
 from ..generation import (
@@ -39,6 +41,7 @@ from ..generation import (
     cut_at_terminator,
     generate,
 )
+from ..hub import HubErrorsMixin
 from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS, derive_seed
 from ..models.adapter import DiffusionAdapter
 
@@ -112,6 +115,12 @@ class DiffusionGRPOConfig(GRPOConfig):
             `None` never stops (for a reward function that legitimately skips whole batches).
     """
 
+    # Inherited with TRL's defaults; redeclared for what they mean to the diffusion sampler.
+    max_completion_length: int | None = field(
+        default=512,
+        metadata={"help": "Length L of the generated completion canvas (cut after its first terminator for TRL)."},
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the denoiser."})
     mask_token_id: int | None = field(
         default=None,
         metadata={
@@ -190,26 +199,29 @@ class DiffusionGRPOConfig(GRPOConfig):
         },
     )
 
+    # Inherited fields the diffusion trainers refuse: name -> (the values that leave the feature off, why). The
+    # first value is TRL's default. `__post_init__` raises on any other value, and `trl-diffusion` offers no flag for
+    # them. A subclass extends it as `{**Parent.unsupported_fields, ...}`.
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "use_vllm": ((False,), "vLLM has no masked-diffusion sampler; rollouts come from the built-in one"),
+        "use_transformers_continuous_batching": ((False,), "continuous batching decodes autoregressively"),
+        "use_liger_kernel": ((False,), "Liger's fused kernels assume a causal language-model head"),
+        "top_p": ((1.0,), "the diffusion sampler samples with `temperature` only"),
+        "top_k": ((0, None), "the diffusion sampler samples with `temperature` only"),
+        "min_p": ((None, 0.0), "the diffusion sampler samples with `temperature` only"),
+        "repetition_penalty": ((1.0,), "the diffusion sampler samples with `temperature` only"),
+    }
+
     def __post_init__(self):
+        # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         super().__post_init__()
-        unsupported = {
-            "use_vllm": "vLLM has no masked-diffusion sampler",
-            "use_transformers_continuous_batching": "continuous batching decodes autoregressively",
-            "use_liger_kernel": "Liger's fused kernels assume a causal language-model head",
-        }
-        for name, reason in unsupported.items():
-            if getattr(self, name, False):
+        for name, (allowed, reason) in self.unsupported_fields.items():
+            if getattr(self, name) not in allowed:
                 raise ValueError(
-                    f"`{name}=True` is not supported by trl_diffusion ({reason}); rollouts come from the built-in "
-                    f"diffusion sampler. Set `{name}=False`."
-                )
-        # Values that leave sampling untouched (TRL's defaults, or "off").
-        neutral_values = {"top_p": (1.0,), "top_k": (0, None), "min_p": (None, 0.0), "repetition_penalty": (1.0,)}
-        for name, neutral in neutral_values.items():
-            if getattr(self, name) not in neutral:
-                raise ValueError(
-                    f"`{name}={getattr(self, name)}` is not supported by the diffusion sampler (it samples with "
-                    f"`temperature` only). Leave `{name}` at {neutral[0]!r}."
+                    f"`{name}={getattr(self, name)!r}` is not supported by trl_diffusion ({reason}). Leave `{name}` "
+                    f"at {allowed[0]!r}."
                 )
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError("`max_completion_length` (the canvas length L) must be a positive integer.")
@@ -257,6 +269,44 @@ class DiffusionGRPOConfig(GRPOConfig):
         )
 
 
+@contextmanager
+def activation_checkpointing_disabled(model, activation_checkpointing_kwargs: dict | None = None):
+    """TRL's `disable_gradient_checkpointing` under transformers 5's names (the old ones raise FutureWarnings):
+    activation checkpointing is off inside the context and restored after it."""
+    enabled = model.is_activation_checkpointing
+    if enabled:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs)
+
+
+@contextmanager
+def trl_checkpointing_deprecations_silenced():
+    """Silences the FutureWarnings of transformers' deprecated `gradient_checkpointing*` names that TRL 1.16 calls
+    inside its generation and scoring (`unwrap_model_for_generation`, `disable_gradient_checkpointing`): TRL's to
+    rename, and nothing a user can act on. Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated",
+            category=FutureWarning,
+        )
+        yield
+
+
+def check_processing_class(model, processing_class, trainer_name: str) -> None:
+    """Raises a clear error where TRL would try to load a tokenizer from an empty model id: a model object built in
+    memory (such as `build_tiny_llada(tokenizer)`) has no path to load one from."""
+    if processing_class is None and not isinstance(model, str) and not get_config_model_id(model.config):
+        raise ValueError(
+            f"{trainer_name} got a model object without a path to load its tokenizer from (it was built in memory, "
+            "not loaded with `from_pretrained`): pass the tokenizer too, as `processing_class=tokenizer`."
+        )
+
+
 def guard_reward_function(func, on_error):
     """Wraps a reward function so that an exception costs its batch (rewards `None`, i.e. unscored) instead of the
     run, and a wrong number of rewards raises a clear error. Keeps the name and the sync/async nature TRL reads."""
@@ -295,7 +345,7 @@ def guard_reward_function(func, on_error):
     return guarded
 
 
-class DiffusionGRPOTrainer(GRPOTrainer):
+class DiffusionGRPOTrainer(HubErrorsMixin, GRPOTrainer):
     """The shared base of the trl_diffusion trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
 
     It is not an algorithm by itself: subclasses define `_score_rollouts` (old and reference likelihood terms,
@@ -339,6 +389,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
+        check_processing_class(model, processing_class, type(self).__name__)
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")
@@ -346,6 +397,14 @@ class DiffusionGRPOTrainer(GRPOTrainer):
             raise TypeError(
                 f"{type(self).__name__} needs a {self.config_class.__name__} (got {type(args).__name__}): its "
                 "sampler and estimator settings drive training."
+            )
+        in_memory = not isinstance(model, str) and not get_config_model_id(model.config)
+        if in_memory and args.beta != 0.0 and peft_config is None and not hasattr(model, "peft_config"):
+            # TRL loads the reference model from the policy's path, and a model built in memory has none.
+            raise ValueError(
+                f"`beta={args.beta}` needs a reference model, which is loaded from the model's path, and this model "
+                "object was built in memory: save it first (`model.save_pretrained(path)` and "
+                "`tokenizer.save_pretrained(path)`) and pass `model=path`, or set `beta=0.0`."
             )
         for name, value in (
             ("tools", tools),
@@ -505,13 +564,14 @@ class DiffusionGRPOTrainer(GRPOTrainer):
     @contextmanager
     def rollout_policy(self):
         """The model that generates rollouts: the trained policy, unwrapped for generation inside TRL's context
-        managers (gradient checkpointing off, ZeRO-3 parameters gathered once for the whole denoising loop)."""
+        managers (activation checkpointing off, ZeRO-3 parameters gathered once for the whole denoising loop)."""
         with (
+            trl_checkpointing_deprecations_silenced(),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
                 gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                gradient_checkpointing_kwargs=self.args.activation_checkpointing_kwargs,
             ) as unwrapped_model,
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
@@ -533,7 +593,8 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         self._scoring_rollouts = True
         try:
-            output = super()._generate_and_score_completions(inputs)
+            with trl_checkpointing_deprecations_silenced():
+                output = super()._generate_and_score_completions(inputs)
         finally:
             self._scoring_rollouts = False
         rollout, mask_seeds = self._pending_rollout
@@ -553,7 +614,7 @@ class DiffusionGRPOTrainer(GRPOTrainer):
         for name in self.reward_func_names:
             metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
 
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
             output.update(self._score_rollouts(output, mode))
         return output
 

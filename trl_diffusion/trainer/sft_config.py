@@ -85,6 +85,9 @@ class DiffusionSFTConfig(SFTConfig):
     )
 
     def __post_init__(self):
+        # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         super().__post_init__()
         if not 0.0 < self.timestep_eps < 1.0:
             raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")

@@ -24,8 +24,10 @@ from trl import SFTTrainer
 from trl.data_utils import get_dataset_column_names
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first, pad
 
+from ..hub import HubErrorsMixin
 from ..masking import derive_seed
 from ..models.adapter import DiffusionAdapter
+from .base import check_processing_class
 from .sft_config import DiffusionSFTConfig
 
 # Streams of the noise generators: training micro-batches and evaluation batches.
@@ -135,7 +137,7 @@ def _split_at_completion(example: dict) -> dict:
     return {"prompt_ids": example["input_ids"][:prompt_length], "completion_ids": example["input_ids"][prompt_length:]}
 
 
-class DiffusionSFTTrainer(SFTTrainer):
+class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
     r"""Completion-only supervised fine-tuning of a masked diffusion language model, as LLaDA (and d1, before RL) do.
 
     For each completion a masking ratio `t ~ U(timestep_eps, 1)` is drawn and each completion token is replaced by
@@ -216,6 +218,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         quantization_config=None,
         peft_config=None,
     ):
+        check_processing_class(model, processing_class, "DiffusionSFTTrainer")
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = DiffusionSFTConfig(f"{model_name.split('/')[-1]}-{self._name}")
