@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 import inspect
 import json
@@ -31,6 +32,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 
 from .generation import REMASKING_STRATEGIES, SCHEDULES
 from .hub import HubPushError
+from .validation import check_model_path, check_tokenizer_files, unknown_name_message
 
 # Set in the processes that `--accelerate_config` launches, so that they train instead of launching again (the
 # option may also come from a `--config` file, which they read too).
@@ -264,6 +266,14 @@ def load_dataset_splits(script_args: DiffusionScriptArguments, seed: int, with_e
     name = script_args.dataset_name
     if name is None:
         raise ValueError("--dataset_name is required: a built-in task or a dataset.")
+    if name not in builtin_tasks() and "/" not in name and not Path(name).exists():
+        close = difflib.get_close_matches(name, builtin_tasks(), n=1, cutoff=0.6)
+        # A near miss of a built-in name would otherwise go to the Hub and fail there as a missing dataset.
+        if close:
+            raise ValueError(
+                unknown_name_message("task", name, builtin_tasks())
+                + " For a Hub dataset give its full id (namespace/name)."
+            )
     if name in builtin_tasks():
         from .tasks import get_task
 
@@ -489,6 +499,7 @@ def train(command: str, script_args: DiffusionScriptArguments, training_args, mo
     _, trainer_class = _trainer_classes(command)
     if model_args.model_name_or_path is None:
         raise ValueError("--model_name_or_path is required.")
+    check_model_path(model_args.model_name_or_path, "--model_name_or_path")
     model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -666,6 +677,8 @@ def run_eval(argv: list[str]) -> int:
             sampler[name] = getattr(args, name)
     generation_config = task_generation_config(task, **sampler)
 
+    check_model_path(args.model, "--model")
+    check_tokenizer_files(args.model, "--model")
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code
     ).to(state.device)

@@ -166,6 +166,16 @@ class DiffusionGenerationConfig:
     )
 
     def __post_init__(self):
+        for name in ("gen_length", "block_length", "steps"):
+            value = getattr(self, name)
+            # A float length (`gen_length=128.0`, e.g. from arithmetic) would only fail deep inside torch.
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(
+                    f"`{name}` must be an integer, got {value!r} ({type(value).__name__}): pass int({value!r})."
+                )
+        for name in ("temperature", "cfg_scale"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"`{name}` must be a finite number, got {getattr(self, name)}.")
         if self.gen_length < 1 or self.block_length < 1:
             raise ValueError(
                 f"`gen_length` ({self.gen_length}) and `block_length` ({self.block_length}) must be positive."
@@ -487,7 +497,22 @@ def _confidence(
     return top2[:, 0] - top2[:, 1]
 
 
-def _check_inputs(input_ids, attention_mask, config: DiffusionGenerationConfig, adapter: DiffusionAdapter, generator):
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding, or None for a wrapper without `get_input_embeddings` (e.g. DDP)."""
+    try:
+        return model.get_input_embeddings().weight.shape[0]
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _check_inputs(
+    input_ids,
+    attention_mask,
+    config: DiffusionGenerationConfig,
+    adapter: DiffusionAdapter,
+    generator,
+    vocab_size: int | None = None,
+):
     if input_ids.dim() != 2:
         raise ValueError(f"`input_ids` must have shape (batch, prompt_length), got {tuple(input_ids.shape)}.")
     if attention_mask.shape != input_ids.shape:
@@ -510,6 +535,14 @@ def _check_inputs(input_ids, attention_mask, config: DiffusionGenerationConfig, 
             f"The pad token id equals the mask token id ({adapter.mask_token_id}): padding would be read as masked. "
             "Give the tokenizer a distinct pad token (e.g. its EOS token)."
         )
+    if vocab_size is not None and input_ids.numel():
+        real_ids = input_ids[attention_mask.bool()]
+        outside = real_ids[(real_ids < 0) | (real_ids >= vocab_size)]
+        if outside.numel():
+            raise ValueError(
+                f"A prompt holds token id {outside[0].item()}, outside the model's vocabulary (ids 0..{vocab_size - 1}): "
+                "the prompts were tokenized with another tokenizer than the model's. Pass the model's tokenizer."
+            )
     if (input_ids[attention_mask.bool()] == adapter.mask_token_id).any():
         raise ValueError(
             f"A prompt contains the mask token (id {adapter.mask_token_id}); the sampler would overwrite it. Remove "
@@ -578,7 +611,7 @@ def generate(
     adapter = adapter if adapter is not None else DiffusionAdapter.from_model(model, tokenizer)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    _check_inputs(input_ids, attention_mask, config, adapter, generator)
+    _check_inputs(input_ids, attention_mask, config, adapter, generator, _vocab_size(model))
 
     device = input_ids.device
     batch_size, prompt_length = input_ids.shape

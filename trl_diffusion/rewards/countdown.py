@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from .utils import extract_answer, last_boxed, score_rows
+from .utils import check_column_lengths, extract_answer, last_boxed, score_rows
 
 COUNTDOWN_CORRECT = 1.0
 COUNTDOWN_WELL_FORMED = 0.1  # d1's `format_score`: an arithmetic answer that is wrong
@@ -158,6 +158,7 @@ def countdown_reward(
     [1.0, 0.1, 0.0]
     ```
     """
+    check_column_lengths(completions, numbers=numbers, target=target)
     return score_rows(completions, score_countdown, numbers, target)
 
 

@@ -1,8 +1,22 @@
-"""Sudoku: fill the empty cells of an n x n puzzle (n = 4 or 9) given as a string of digits, `0` for empty."""
+"""Sudoku: fill the empty cells of an n x n puzzle (n = 4 or 9) given as a string of digits, `0` (or `.`) for
+empty."""
 
 from __future__ import annotations
 
-from .utils import extract_answer, score_rows
+from .utils import check_column_lengths, extract_answer, score_rows
+
+# What marks an empty cell of a puzzle: d1's `0`, or the `.` of most published Sudoku datasets.
+EMPTY_CELLS = "0."
+
+
+def check_puzzle(puzzle: str, solution: str) -> None:
+    """Raises a `ValueError` when a puzzle and its solution differ in length (cells would be compared misaligned)."""
+    if len(puzzle) != len(solution):
+        raise ValueError(
+            f"A Sudoku puzzle has {len(puzzle)} cells and its solution {len(solution)}: both must list every cell in "
+            f"reading order (puzzle {puzzle!r}, solution {solution!r}). Fix the dataset's `puzzle` / `solution` "
+            "columns."
+        )
 
 
 def parse_grid(text: str, num_cells: int) -> str | None:
@@ -35,15 +49,16 @@ def score_sudoku(text: str, puzzle: str, solution: str) -> float:
         text (`str`):
             The completion text.
         puzzle (`str`):
-            The puzzle, one digit per cell in reading order, `0` for an empty cell.
+            The puzzle, one digit per cell in reading order, `0` or `.` for an empty cell.
         solution (`str`):
-            Its unique solution, in the same form.
+            Its unique solution, one digit per cell.
 
     Returns:
         `float`: correct empty cells / empty cells, in [0, 1]; 0.0 without a well-shaped answer grid.
     """
+    check_puzzle(puzzle, solution)
     grid = parse_grid(text, len(solution))
-    empty = [index for index, given in enumerate(puzzle) if given == "0"]
+    empty = [index for index, given in enumerate(puzzle) if given in EMPTY_CELLS]
     if grid is None or not empty:
         return 0.0
     return sum(grid[index] == solution[index] for index in empty) / len(empty)
@@ -77,6 +92,7 @@ def sudoku_reward(
     [1.0, 0.8, 0.0]
     ```
     """
+    check_column_lengths(completions, puzzle=puzzle, solution=solution)
     return score_rows(completions, score_sudoku, puzzle, solution)
 
 
@@ -98,9 +114,11 @@ def sudoku_solved(
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without puzzle or solution.
     """
+    check_column_lengths(completions, puzzle=puzzle, solution=solution)
     return score_rows(completions, _solved, puzzle, solution)
 
 
 def _solved(text: str, puzzle: str, solution: str) -> float:
     """1.0 when the grid in `text` is `solution`, else 0.0 (the puzzle only has to be present)."""
+    check_puzzle(puzzle, solution)
     return float(parse_grid(text, len(solution)) == solution)

@@ -85,3 +85,14 @@ def score_rows(
         None if any(value is None for value in values) else score(completion_text(completion), *values)
         for completion, *values in zip(completions, *columns, strict=True)
     ]
+
+
+def check_column_lengths(completions: Sequence[Any], **columns: Sequence[Any] | None) -> None:
+    """Raises a `ValueError` naming the column when a dataset column passed to a reward does not hold one value per
+    completion (TRL passes them row-aligned; a hand-built call may not)."""
+    for name, column in columns.items():
+        if column is not None and len(column) != len(completions):
+            raise ValueError(
+                f"The `{name}` column has {len(column)} values for {len(completions)} completions: a reward needs "
+                f"one `{name}` per completion, in the same order."
+            )

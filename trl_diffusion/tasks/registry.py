@@ -21,6 +21,7 @@ from ..rewards import (
     sudoku_reward,
     sudoku_solved,
 )
+from ..validation import unknown_name_message
 from .countdown import load_countdown
 from .hub import load_gsm8k, load_humaneval, load_math, load_mbpp
 from .largest_digit import load_largest_digit
@@ -218,5 +219,5 @@ def get_task(name: str) -> Task:
         `ValueError`: for an unknown name, listing the known ones.
     """
     if name not in TASKS:
-        raise ValueError(f"Unknown task {name!r}; available tasks: {', '.join(TASKS)}.")
+        raise ValueError(unknown_name_message("task", name, tuple(TASKS)))
     return TASKS[name]

@@ -94,7 +94,7 @@ def count_solutions(puzzle: str | list[int], box: int, limit: int = 2) -> int:
 
     Args:
         puzzle (`str` or `list[int]`):
-            The grid, one digit per cell in reading order, 0 for empty.
+            The grid, one digit per cell in reading order, 0 (or `.` in a string) for empty.
         box (`int`):
             Side of a box (2 or 3).
         limit (`int`, *optional*, defaults to `2`):
@@ -104,7 +104,7 @@ def count_solutions(puzzle: str | list[int], box: int, limit: int = 2) -> int:
         `int`: `min(number of solutions, limit)`.
     """
     count = 0
-    for _ in iter_solutions([int(digit) for digit in puzzle], box):
+    for _ in iter_solutions([0 if cell == "." else int(cell) for cell in puzzle], box):
         count += 1
         if count >= limit:
             break

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import numbers
 import os
 import shutil
 import time
@@ -28,7 +29,8 @@ from typing import ClassVar
 
 import torch
 from accelerate.utils import DistributedType
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from peft.utils.error import NoMatchingPeftModuleError
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
@@ -44,6 +46,7 @@ from ..generation import (
 from ..hub import HubErrorsMixin
 from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS, derive_seed
 from ..models.adapter import DiffusionAdapter
+from ..validation import check_checkpoint, check_model_path, check_prompt_column, choose_precision_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +219,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
         if self.activation_checkpointing is None:
             self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
+        choose_precision_defaults(self)
         super().__post_init__()
         for name, (allowed, reason) in self.unsupported_fields.items():
             if getattr(self, name) not in allowed:
@@ -307,6 +311,25 @@ def check_processing_class(model, processing_class, trainer_name: str) -> None:
         )
 
 
+def _linear_layer_names(model, trust_remote_code: bool = False) -> list[str] | None:
+    """The distinct names of the linear layers of `model` (a model, or a path / Hub id built on the meta device), the
+    names LoRA's `target_modules` match; None when they cannot be listed."""
+    try:
+        if isinstance(model, str):
+            from accelerate import init_empty_weights
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            with init_empty_weights():
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        linear = (torch.nn.Linear,)
+        return sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, linear)}
+        )
+    except (OSError, ValueError, ImportError):
+        return None
+
+
 def guard_reward_function(func, on_error):
     """Wraps a reward function so that an exception costs its batch (rewards `None`, i.e. unscored) instead of the
     run, and a wrong number of rewards raises a clear error. Keeps the name and the sync/async nature TRL reads."""
@@ -318,6 +341,13 @@ def guard_reward_function(func, on_error):
                 f"The reward function {func.__name__!r} returned {len(rewards)} rewards for {expected} completions: "
                 "it must return one reward (or None) per completion."
             )
+        for index, reward in enumerate(rewards or []):
+            if reward is not None and not isinstance(reward, (numbers.Real, torch.Tensor)):
+                raise ValueError(
+                    f"The reward function {func.__name__!r} returned {reward!r} ({type(reward).__name__}) for "
+                    f"completion {index}: a reward must be a number, or None for a completion it does not score "
+                    "(convert it, e.g. `float(...)`)."
+                )
         return rewards
 
     if asyncio.iscoroutinefunction(func):
@@ -418,6 +448,12 @@ class DiffusionGRPOTrainer(HubErrorsMixin, GRPOTrainer):
                 )
         if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: there are no prompts to train on.")
+        if isinstance(model, str):
+            check_model_path(model, "`model`")
+        check_prompt_column(train_dataset, "train_dataset")
+        eval_datasets = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
+        for key, dataset in eval_datasets.items():
+            check_prompt_column(dataset, f"eval_dataset[{key!r}]" if key else "eval_dataset")
 
         self._reward_errors: dict[str, int] = {}
         self._last_reward_error: dict[str, Exception] = {}
@@ -432,19 +468,29 @@ class DiffusionGRPOTrainer(HubErrorsMixin, GRPOTrainer):
                 for func in reward_funcs
             ]
 
-        super().__init__(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-        )
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                quantization_config=quantization_config,
+                peft_config=peft_config,
+            )
+        except NoMatchingPeftModuleError:
+            written = peft_config.target_modules
+            written = sorted(written) if isinstance(written, (set, frozenset)) else written
+            names = _linear_layer_names(model, args.trust_remote_code)
+            raise ValueError(
+                f"The LoRA `target_modules` {written!r} match no layer of the model"
+                + (f"; its linear layers are named {names}" if names else "")
+                + ". Set `target_modules` (`--lora_target_modules`) to some of these names, or to 'all-linear'."
+            ) from None
 
         adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
         # One set of terminators for the sampler, the ELBO region and TRL's cut / truncation metrics.
@@ -452,6 +498,15 @@ class DiffusionGRPOTrainer(HubErrorsMixin, GRPOTrainer):
         self.adapter = replace(adapter, terminator_ids=terminators)
         self.eos_token_ids = list(terminators)
         self.diffusion_generation_config = args.to_generation_config()
+        context = self.adapter.context_length
+        canvas = args.max_completion_length + (args.max_prompt_length or 0)
+        if context is not None and canvas > context:
+            prompt_part = f"`max_prompt_length` ({args.max_prompt_length}) + " if args.max_prompt_length else ""
+            raise ValueError(
+                f"{prompt_part}`max_completion_length` ({args.max_completion_length}) = {canvas} exceeds the model's "
+                f"context of {context} tokens: lower them so that they sum to at most {context} (prompts are "
+                "truncated from the left to `max_prompt_length`)."
+            )
 
         self._scoring_rollouts = False
         self._pending_rollout = None
@@ -669,6 +724,21 @@ class DiffusionGRPOTrainer(HubErrorsMixin, GRPOTrainer):
         return {**inputs, "mc_iteration": iteration}
 
     # ------------------------------------------------------------------ checkpoints
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """TRL's `train`, after checking the checkpoint it resumes from: a truncated weights file or an unreadable
+        `trainer_state.json` raises an error naming the file, a missing `optimizer.pt` logs a warning."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if isinstance(checkpoint, (str, os.PathLike)):
+            check_checkpoint(os.fspath(checkpoint))
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
 
     def _save_checkpoint(self, model, trial):
         # TRL writes the model card (algorithm, paper, citation) to `output_dir` only. Put a copy in the checkpoint

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
+from ..validation import choose_precision_defaults
+
 
 @dataclass
 class DiffusionSFTConfig(SFTConfig):
@@ -88,6 +90,7 @@ class DiffusionSFTConfig(SFTConfig):
         # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
         if self.activation_checkpointing is None:
             self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
+        choose_precision_defaults(self)
         super().__post_init__()
         if not 0.0 < self.timestep_eps < 1.0:
             raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
