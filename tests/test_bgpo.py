@@ -190,7 +190,9 @@ def test_off_policy_bgpo_is_a_lower_bound_of_vrpo_per_completion(make_trainer, d
     moves. Per completion, BGPO's objective sum_j g_j is <= VRPO's A * exp(mean_j d_j), unclipped, and with a PPO
     clip narrow enough (epsilon 0.05) to be active on some samples and completions."""
     num_mc_samples = 4
-    settings = dict(num_mc_samples=num_mc_samples, num_iterations=2, clip_sequence_ratio=clip, epsilon=0.05)
+    settings = dict(num_mc_samples=num_mc_samples, num_iterations=2, clip_sequence_ratio=clip)
+    if clip:
+        settings["epsilon"] = 0.05  # without clipping, epsilon is refused
     bgpo = make_trainer(BGPOTrainer, **settings)
     vrpo = make_trainer(VRPOTrainer, **settings)
     batch = generate_batch(bgpo, dataset)

@@ -319,11 +319,13 @@ CLI_VALUES = {
 
 
 def fields_to_parse(config_class):
-    """The fields a config class adds to GRPOConfig, and the GRPOConfig fields whose default it changes."""
+    """The fields a config class adds to GRPOConfig, and the GRPOConfig fields whose default it changes, except
+    those it refuses to change (`unsupported_fields`)."""
     return [
         f
         for f in dataclasses.fields(config_class)
-        if f.name not in GRPO_DEFAULTS or f.default != GRPO_DEFAULTS[f.name]
+        if (f.name not in GRPO_DEFAULTS or f.default != GRPO_DEFAULTS[f.name])
+        and f.name not in config_class.unsupported_fields
     ]
 
 

@@ -330,6 +330,26 @@ def _linear_layer_names(model, trust_remote_code: bool = False) -> list[str] | N
         return None
 
 
+def refused_token_loss_fields(objective: str) -> dict[str, tuple[tuple, str]]:
+    """Entries of a config's `unsupported_fields` for TRL's token-level loss options, which an objective that computes
+    its own loss (VRPO, BGPO, ESPO, LFPO) cannot honour: each keeps only TRL's default. `objective` names the loss in
+    the messages (e.g. "the sequence-level ELBO loss")."""
+    groups = {
+        "loss_type importance_sampling_level": f"{objective} is not one of TRL's token-level losses",
+        "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg": (
+            f"a parameter of TRL's `sapo` / `vespo` loss types, which {objective} is not"
+        ),
+        "top_entropy_quantile": f"TRL's entropy mask selects the tokens of its token-level loss; {objective} has no "
+        "per-token policy term",
+        "entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target": (
+            f"TRL's entropy bonus is a term of its token-level loss, which {objective} replaces"
+        ),
+        "router_aux_loss_coef": f"{objective} adds no Mixture-of-Experts router loss",
+    }
+    defaults = GRPOConfig.__dataclass_fields__
+    return {name: ((defaults[name].default,), reason) for names, reason in groups.items() for name in names.split()}
+
+
 def guard_reward_function(func, on_error):
     """Wraps a reward function so that an exception costs its batch (rewards `None`, i.e. unscored) instead of the
     run, and a wrong number of rewards raises a clear error. Keeps the name and the sync/async nature TRL reads."""
@@ -863,6 +883,15 @@ class DiffusionGRPOTrainer(HubErrorsMixin, GRPOTrainer):
         return total_loss
 
     # ------------------------------------------------------------------ shared helpers
+
+    def completion_weights(self, inputs: dict) -> torch.Tensor:
+        """Per row, 1 if the loss counts the completion and 0 if `mask_truncated_completions` drops it (TRL then
+        zeroes the completion mask of a completion with no terminator), shape `(batch,)`. The loss keeps its divisor:
+        a dropped completion contributes 0, as in TRL's per-sequence losses."""
+        completion_mask = inputs["completion_mask"]
+        if not self.args.mask_truncated_completions:
+            return torch.ones(completion_mask.shape[0], device=completion_mask.device)
+        return completion_mask.any(dim=1).float()
 
     def loss_scale(self, mode: str) -> float:
         """Divisor of a micro-batch loss: the gradient accumulation steps in training (GRPO's convention), 1 in eval."""

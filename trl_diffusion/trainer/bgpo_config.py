@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .sequence_elbo import SequenceELBOConfig
 
@@ -15,8 +16,22 @@ class BGPOConfig(SequenceELBOConfig):
 
     With `clip_sequence_ratio`, each sample's ratio `r_j` is PPO-clipped (the clipped objective is still a lower
     bound). The paper's recipe (`num_iterations=1`, one optimiser step per rollout batch) is on-policy, where clipping
-    has no effect.
+    has no effect. TRL's `delta` and `off_policy_mask_threshold` are refused (see `unsupported_fields`).
     """
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **SequenceELBOConfig.unsupported_fields,
+        "delta": (
+            (None,),
+            "two-sided clipping raises the objective of a negative-advantage sample above its ELBO objective, and "
+            "BGPO's must stay a lower bound",
+        ),
+        "off_policy_mask_threshold": (
+            (None,),
+            "the mask needs the whole sequence's ELBO difference, which BGPO never holds: each Monte Carlo sample "
+            "gets its own forward and backward",
+        ),
+    }
 
     num_mc_samples: int = field(
         default=16,

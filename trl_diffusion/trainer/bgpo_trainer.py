@@ -72,7 +72,7 @@ class BGPOTrainer(SequenceELBOTrainer):
             # Per-sample k2 (by Jensen at least the sequence k2): the objective stays a sum over samples.
             kl = self.sequence_kl(term, ref_term)
             per_completion = per_completion + self.beta * kl / num_samples
-        loss = per_completion.mean() / self.loss_scale(mode)
+        loss = (per_completion * self.completion_weights(inputs)).mean() / self.loss_scale(mode)
         return loss, (term.detach(), d.detach(), bound.detach(), clamp_hits, kl.detach())
 
     def _log_bound_metrics(self, mode: str, inputs: dict, stats: list) -> None:

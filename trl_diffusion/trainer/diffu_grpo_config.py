@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .base import DiffusionGRPOConfig
 
@@ -34,6 +35,11 @@ class DiffuGRPOConfig(DiffusionGRPOConfig):
         default="none", metadata={"help": "Advantage scaling: group, batch or none (d1: none, no std division)."}
     )
     temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (d1: 0.9)."})
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **DiffusionGRPOConfig.unsupported_fields,
+        "router_aux_loss_coef": ((None,), "the mean-field pass computes no Mixture-of-Experts router loss"),
+    }
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from .base import DiffusionGRPOConfig
+from .base import DiffusionGRPOConfig, refused_token_loss_fields
 
 LFPO_VARIANTS = ("all", "positive", "negative")
 LFPO_STATE_SOURCES = ("trajectory", "forward")
@@ -11,10 +12,12 @@ class LFPOConfig(DiffusionGRPOConfig):
     r"""
     Configuration of [`LFPOTrainer`] (Likelihood-Free Policy Optimization). Every field of [`DiffusionGRPOConfig`]
     and TRL's `GRPOConfig` applies (the likelihood-estimator fields except `elbo_region` do not: LFPO estimates no
-    likelihood). TRL's `beta` stays the KL coefficient and must be 0. Defaults follow the paper where it departs from
-    TRL: `weight_decay=0.01`, `warmup_steps=0.1` (a value below 1 is a fraction of the optimiser steps: the paper's
-    warm-up ratio 0.1). The paper's recipe also uses `num_generations=10`,
-    `learning_rate=1e-6`, `max_grad_norm=1.0` and `max_completion_length=512`; its inference preset is
+    likelihood), except TRL's loss options: `beta` (the KL coefficient) must stay 0, `mask_truncated_completions`
+    applies (completions without a terminator are left out of the loss), and the ratio, clipping and token-level
+    options are refused (see `unsupported_fields`). Defaults follow the paper where it departs from TRL:
+    `weight_decay=0.01`, `warmup_steps=0.1` (a value below 1 is a fraction of the optimiser steps: the paper's
+    warm-up ratio 0.1). The paper's recipe also uses `num_generations=10`, `learning_rate=1e-6`,
+    `max_grad_norm=1.0` and `max_completion_length=512`; its inference preset is
     `trl_diffusion.generation.lfpo_inference_config`.
 
     Parameters:
@@ -94,17 +97,29 @@ class LFPOConfig(DiffusionGRPOConfig):
         metadata={"help": "Alias of a fractional warmup_steps (transformers 5 has no warmup_ratio); replaces it."},
     )
 
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **DiffusionGRPOConfig.unsupported_fields,
+        **refused_token_loss_fields("LFPO's contrastive loss"),
+        "beta": (
+            (0.0,),
+            "LFPO estimates no likelihood, so TRL's KL penalty does not apply; the contrastive step size is "
+            "`contrastive_beta`",
+        ),
+        "epsilon": ((0.2,), "LFPO has no likelihood ratio to clip"),
+        "epsilon_high": ((None,), "LFPO has no likelihood ratio to clip"),
+        "delta": ((None,), "LFPO has no likelihood ratio to clip"),
+        "off_policy_mask_threshold": (
+            (None,),
+            "LFPO estimates no likelihood, hence no KL to the old policy to mask on",
+        ),
+    }
+
     def __post_init__(self):
         if self.warmup_ratio is not None:
             if not 0.0 <= self.warmup_ratio < 1.0:
                 raise ValueError(f"`warmup_ratio` must lie in [0, 1), got {self.warmup_ratio}.")
             self.warmup_steps = self.warmup_ratio
         super().__post_init__()
-        if self.beta != 0.0:
-            raise ValueError(
-                f"`beta={self.beta}`: LFPO estimates no likelihood, so TRL's KL penalty does not apply. Leave `beta` at "
-                "0; the contrastive step size is `contrastive_beta`."
-            )
         if self.contrastive_beta <= 0:
             raise ValueError(f"`contrastive_beta` must be positive, got {self.contrastive_beta}.")
         if self.adv_clip_max <= 0:

@@ -264,6 +264,7 @@ class LFPOTrainer(DiffusionGRPOTrainer):
         state_masks, scored_masks = inputs["lfpo_state_masks"], inputs["lfpo_scored_masks"]
         num_pairs = state_masks.shape[0] * state_masks.shape[1]
         weights = self.optimality_weight(inputs["advantages"])
+        kept = self.completion_weights(inputs)
         scale = (clip / beta) / (num_pairs * self.loss_scale(mode))
         totals = torch.zeros(3, device=state_masks.device)
         for block in blocks:
@@ -277,6 +278,7 @@ class LFPOTrainer(DiffusionGRPOTrainer):
             position_pair = scored.nonzero()[:, 0]
             pair_sizes = scored.sum(dim=1).clamp(min=1)
             position_weight = weights[rows][position_pair]
+            position_kept = kept[rows][position_pair]
             loss = torch.zeros_like(targets, dtype=torch.float32)
             if self.args.lfpo_variant in ("all", "positive"):
                 positive = (1 - beta) * old_logits + beta * logits
@@ -284,7 +286,7 @@ class LFPOTrainer(DiffusionGRPOTrainer):
             if self.args.lfpo_variant in ("all", "negative"):
                 negative = (1 + beta) * old_logits - beta * logits
                 loss = loss + (1 - position_weight) * _cross_entropy(negative, targets)
-            yield scale * (loss / pair_sizes[position_pair]).sum()
+            yield scale * (position_kept * loss / pair_sizes[position_pair]).sum()
             sizes = scored.sum(dim=1)
             totals += torch.stack([sizes.sum(), (sizes == 0).sum(), torch.tensor(len(block))]).float()
         metrics = self._metrics[mode]

@@ -11,13 +11,13 @@ micro-batch and divide by the gradient accumulation steps; TRL's token-level `lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-from trl import GRPOConfig
 
 from ..likelihood import elbo_term
 from ..masking import MaskPlan, completion_region, length_normaliser, sample_masks
-from .base import DiffusionGRPOConfig, DiffusionGRPOTrainer
+from .base import DiffusionGRPOConfig, DiffusionGRPOTrainer, refused_token_loss_fields
 
 # Overflow guard of exp(): an ELBO difference this large (per normalised token) means the estimate is broken anyway.
 MAX_LOG_RATIO = 20.0
@@ -32,23 +32,42 @@ class SequenceELBOConfig(DiffusionGRPOConfig):
             Clip the sequence ratio PPO-style, `-min(rho*A, clip(rho, 1-epsilon, 1+epsilon_high)*A)`; off, the
             objective is the unclipped `-rho*A`.
 
-    `loss_type` and `importance_sampling_level` must keep TRL's defaults: the objective is per sequence.
+    Of TRL's loss options, these act on the sequence ratio rho: `epsilon`, `epsilon_high` and `delta` (two-sided
+    clipping, `min(rho, delta)` in the unclipped term) with `clip_sequence_ratio`, `off_policy_mask_threshold`
+    (DeepSeek-V3.2's off-policy sequence mask: a completion with A < 0 and `(B_old - B_theta) / N` above it is left
+    out), `mask_truncated_completions` (completions without a terminator are left out) and `beta`. TRL's token-level
+    options (`loss_type`, `importance_sampling_level`, entropy masking and bonus, the `sapo_*` / `vespo_*` fields)
+    and `use_bias_correction_kl=True` are refused: the objective is one loss per completion.
     """
 
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={"help": "Not available: the sequence KL is not importance-weighted (TRL's k3 correction)."},
+    )
     clip_sequence_ratio: bool = field(
         default=False,
         metadata={"help": "Clip the sequence ratio PPO-style with epsilon / epsilon_high (off: unclipped rho*A)."},
     )
 
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **DiffusionGRPOConfig.unsupported_fields,
+        **refused_token_loss_fields("the sequence-level ELBO loss"),
+        "use_bias_correction_kl": (
+            (False,),
+            "TRL's correction weights its per-token k3 KL by the token ratio; the sequence KL here is not "
+            "importance-weighted",
+        ),
+    }
+
     def __post_init__(self):
         super().__post_init__()
-        for name in ("loss_type", "importance_sampling_level"):
-            default = GRPOConfig.__dataclass_fields__[name].default
-            if getattr(self, name) != default:
-                raise ValueError(
-                    f"`{name}={getattr(self, name)!r}` has no effect on a sequence-level ELBO objective (one loss per "
-                    f"completion, averaged over the micro-batch): leave it at {default!r}."
-                )
+        if not self.clip_sequence_ratio:
+            for name, default in (("epsilon", 0.2), ("epsilon_high", None), ("delta", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"`{name}={getattr(self, name)!r}` only acts on the clipped objective: set "
+                        f"`clip_sequence_ratio=True`, or leave `{name}` at {default!r}."
+                    )
 
 
 class SequenceELBOTrainer(DiffusionGRPOTrainer):
@@ -104,12 +123,22 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
         return (elbo - ref_elbo).pow(2) / (2 * self.args.max_completion_length)
 
     def clipped_objective(self, ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-        """`min(rho*A, clip(rho, 1-eps, 1+eps_high)*A)` with `clip_sequence_ratio`, else `rho*A`."""
-        objective = ratio * advantages
+        """`min(rho*A, clip(rho, 1-eps, 1+eps_high)*A)` with `clip_sequence_ratio` (`min(rho, delta)` in the first
+        term with TRL's two-sided `delta`), else `rho*A`."""
         if not self.args.clip_sequence_ratio:
-            return objective
+            return ratio * advantages
         clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high) * advantages
-        return torch.minimum(objective, clipped)
+        if self.args.delta is not None:
+            ratio = ratio.clamp(max=self.args.delta)
+        return torch.minimum(ratio * advantages, clipped)
+
+    def off_policy_mask(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """TRL's off-policy sequence mask (`off_policy_mask_threshold`) on the ELBO log-ratio `(B_theta - B_old) / N`:
+        0 for a completion with A < 0 whose `(B_old - B_theta) / N` exceeds the threshold, else 1."""
+        threshold = self.args.off_policy_mask_threshold
+        if threshold is None:
+            return torch.ones_like(advantages)
+        return ((advantages >= 0) | (-log_ratio.detach() <= threshold)).float()
 
     def sequence_ratio_loss(self, inputs: dict, terms: torch.Tensor, mode: str) -> torch.Tensor:
         """The loss of a micro-batch from the current terms `(batch, num_mc_samples)` (all graphs in one): per
@@ -120,12 +149,13 @@ class SequenceELBOTrainer(DiffusionGRPOTrainer):
         old_elbo = elbo.detach() if old_terms is None else old_terms.mean(dim=1)
         log_ratio = (elbo - old_elbo) / self.elbo_normaliser(inputs)
         ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
-        per_completion = -self.clipped_objective(ratio, advantages)
+        per_completion = -self.clipped_objective(ratio, advantages) * self.off_policy_mask(log_ratio, advantages)
         metrics = self._metrics[mode]
         if self.beta != 0.0:
             kl = self.sequence_kl(elbo, self.iteration_terms(inputs, "ref_elbo_terms").mean(dim=1))
             per_completion = per_completion + self.beta * kl
             metrics["kl"].append(self.accelerator.gather(kl.detach()).mean().item())
+        per_completion = per_completion * self.completion_weights(inputs)
         self.log_ratio_metrics(mode, log_ratio.detach(), ratio.detach(), advantages)
         clamp_hits = (log_ratio.detach() > MAX_LOG_RATIO).float()
         metrics["sequence_ratio/clamp_hits"].append(self.accelerator.gather(clamp_hits).sum().item())
