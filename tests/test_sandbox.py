@@ -6,6 +6,7 @@ leave this process (the trainer) alive with bounded memory. Correct MBPP- and Hu
 The whole batch is judged in one `code_reward` call, in parallel, as a trainer would.
 """
 
+import importlib
 import json
 import logging
 import os
@@ -490,13 +491,32 @@ def test_sandbox_identity_from_inside():
     """What the program sees: uid 65534 for the kernel too, no capabilities, no_new_privs, its own PID namespace, an
     empty environment, and a root with only /usr, the Python prefix, the runner, /proc, /dev and its scratch /tmp."""
     probe = (
-        "import os\n"
+        "import errno, os, threading\n"
         "def status(key):\n"
         "    return [line.split()[1] for line in open('/proc/self/status') if line.startswith(key + ':')][0]\n"
         "def facts():\n"
         "    return [os.getuid(), os.getgid(), open('/proc/self/uid_map').read().split(), status('CapEff'),\n"
         "            status('NoNewPrivs'), len([p for p in os.listdir('/proc') if p.isdigit()]), sorted(os.listdir('/')),\n"
         "            sorted(os.environ)]\n"
+        "def fork():\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os._exit(0)\n"
+        "        return 'forked'\n"
+        "    except OSError as error:\n"
+        "        return errno.errorcode[error.errno]\n"
+        "def thread():\n"
+        "    try:\n"
+        "        threading.Thread(target=int).start()\n"
+        "        return 'started'\n"
+        "    except RuntimeError:\n"
+        "        return 'refused'\n"
+        "def write(directory):\n"
+        "    try:\n"
+        "        open(os.path.join(directory, 'MARKprobe.pth'), 'w').close()\n"
+        "        return 'written'\n"
+        "    except OSError as error:\n"
+        "        return errno.errorcode[error.errno]\n"
     )
     tests = [
         "uid, gid, uid_map, caps, no_new_privs, processes, root, environment = facts()",
@@ -505,9 +525,13 @@ def test_sandbox_identity_from_inside():
         "assert processes <= 3",  # two bwrap inits and the runner
         "assert set(root) <= {'bin', 'dev', 'etc', 'lib', 'lib32', 'lib64', 'libx32', 'opt', 'proc', 'root', 'sbin', 'tmp', 'usr'}",
         "assert set(environment) <= {'LC_CTYPE', 'PWD'}",  # set by the interpreter and bwrap, not inherited
+        "assert fork() == 'EAGAIN' and thread() == 'refused'",  # RLIMIT_NPROC: what stops fork and thread bombs
+        f"assert write({sysconfig.get_paths()['purelib']!r}) == 'ENOENT'",  # the virtual environment is not there
+        f"assert write({sys.base_prefix!r} + '/lib') == 'EROFS'",  # the interpreter's prefix is read-only
+        "assert write('/tmp') == 'written'",  # the scratch directory is writable
     ]
-    run = run_tests(probe, tests)
-    assert (run.passed, run.total) == (6, 6)
+    run = run_tests(probe.replace("MARK", MARK), tests)
+    assert (run.passed, run.total) == (len(tests), len(tests))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -603,3 +627,15 @@ def test_sandbox_is_killed_at_the_wall_clock_limit_with_everything_it_started():
         if p.info["username"] == "nobody" and "runner.py" in " ".join(p.info["cmdline"] or [])
     ]
     assert leftovers == []
+
+
+def test_benchmark_script_smoke(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        benchmark = importlib.import_module("code_reward")
+    finally:
+        sys.path.pop(0)
+    payload = benchmark.main(["--smoke", "--output-dir", str(tmp_path), "--workers", "2"])
+    saved = json.loads((tmp_path / "code_reward.json").read_text())
+    assert saved["points"][0]["completions_per_second"] > 0 and saved["sandbox_startup_ms_median"] > 0
+    assert payload["table"].startswith("|")
