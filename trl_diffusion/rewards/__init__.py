@@ -17,6 +17,7 @@ from .countdown import (
 from .format_rewards import format_reward, soft_format_reward
 from .largest_digit import largest_digit_reward
 from .math_rewards import gsm8k_reward, math_reward, parse_gsm8k_answer
+from .sandbox import SandboxUnavailableError
 from .sudoku import parse_grid, score_sudoku, sudoku_reward, sudoku_solved
 from .utils import completion_text, extract_answer, last_boxed
 
@@ -42,6 +43,7 @@ REWARD_FUNCS = {
 __all__ = [
     "REWARD_FUNCS",
     "MalformedExpressionError",
+    "SandboxUnavailableError",
     "TestRun",
     "code_reward",
     "code_solved",
