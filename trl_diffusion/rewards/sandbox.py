@@ -16,6 +16,7 @@ When the caller is not root, one unprivileged bwrap does it all, mapping uid 655
 from __future__ import annotations
 
 import functools
+import math
 import os
 import selectors
 import shutil
@@ -84,7 +85,7 @@ class SandboxLimits:
         `NPROC` 1: the uid already runs this process, so it may start no other process or thread."""
         return {
             "AS": self.memory_limit_mb * 2**20,
-            "CPU": int(self.timeout_seconds) + 2,
+            "CPU": math.ceil(self.timeout_seconds) + 1,
             "FSIZE": self.max_file_mb * 2**20,
             "NOFILE": self.max_open_files,
             "NPROC": 1,

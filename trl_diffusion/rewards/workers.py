@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _HEADER = struct.Struct("<Q")
+_STARTUP_TIMEOUT_SECONDS = 120.0
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,12 +59,12 @@ class _Worker:
         self._selector.register(self.process.stdout, selectors.EVENT_READ)
         self.ready = False
 
-    def _read(self, size: int, deadline: float | None) -> bytes:
+    def _read(self, size: int, deadline: float) -> bytes:
         data = bytearray()
         fd = self.process.stdout.fileno()
         while len(data) < size:
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and (timeout <= 0 or not self._selector.select(timeout)):
+            timeout = deadline - time.monotonic()
+            if timeout <= 0 or not self._selector.select(timeout):
                 raise TimeoutError
             chunk = os.read(fd, size - len(data))
             if not chunk:
@@ -71,13 +72,14 @@ class _Worker:
             data += chunk
         return bytes(data)
 
-    def _receive(self, deadline: float | None):
+    def _receive(self, deadline: float):
         (size,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
         return pickle.loads(self._read(size, deadline))
 
     def run(self, function: Callable, args: tuple, timeout_seconds: float):
         if not self.ready:
-            self._receive(None)  # start-up and preloading are not the job's time
+            # Start-up and preloading are not the job's time, but a worker that cannot start is given up on.
+            self._receive(time.monotonic() + _STARTUP_TIMEOUT_SECONDS)
             self.ready = True
         payload = pickle.dumps((function.__module__, function.__qualname__, args))
         try:
