@@ -416,3 +416,16 @@ def test_espo_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("espo", module.RECIPE, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_config_file_may_spell_out_a_refused_field_at_its_accepted_value(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("use_vllm: false\ntop_p: 1.0\nnum_mc_samples: 3\n")
+    parser = cli_module.make_training_parser("bgpo")
+    _, config, _ = parser.parse_args_and_config(
+        ["--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu", "--bf16", "false"]
+    )
+    assert config.num_mc_samples == 3 and config.use_vllm is False and config.top_p == 1.0
+    recipe.write_text("use_vllm: true\n")
+    with pytest.raises(SystemExit):
+        cli_module.run_training("bgpo", ["--config", str(recipe), "--model_name_or_path", "m"])
