@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from trl import SFTConfig
 
@@ -86,6 +87,21 @@ class DiffusionSFTConfig(SFTConfig):
         },
     )
 
+    # Inherited fields the masked-diffusion SFT refuses: name -> (the values it accepts, why). The first value is the
+    # default. `__post_init__` raises on any other value, and `trl-diffusion sft` offers no flag for them.
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "packing": ((False,), "packed documents would attend to each other through bidirectional attention"),
+        "padding_free": ((False,), "the canvas holds one left-padded prompt and its completion per row"),
+        "eval_packing": ((None, False), "packed documents would attend to each other through bidirectional attention"),
+        "assistant_only_loss": ((False,), "the loss is over the completion of a prompt-completion dataset"),
+        "completion_only_loss": (
+            (True, None),
+            "the loss masks and scores the completion only; the prompt is the condition, as in LLaDA's SFT",
+        ),
+        "loss_type": (("nll",), "the loss is the masked-diffusion cross-entropy weighted by 1/t"),
+        "label_smoothing_factor": ((0.0,), "the masked-diffusion loss has no label smoothing"),
+    }
+
     def __post_init__(self):
         # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
         if self.activation_checkpointing is None:
@@ -98,20 +114,12 @@ class DiffusionSFTConfig(SFTConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be a positive integer or None, got {value}.")
-        refused = {
-            "packing": "packed documents would attend to each other through bidirectional attention",
-            "padding_free": "the canvas holds one left-padded prompt and its completion per row",
-            "eval_packing": "packed documents would attend to each other through bidirectional attention",
-            "assistant_only_loss": "the loss is over the completion of a prompt-completion dataset",
-        }
-        for name, reason in refused.items():
-            if getattr(self, name):
-                raise ValueError(f"`{name}=True` is not supported by DiffusionSFTTrainer ({reason}).")
-        if self.completion_only_loss is False:
-            raise ValueError(
-                "`completion_only_loss=False` is not supported: DiffusionSFTTrainer masks and scores the completion "
-                "only (the prompt is the condition, as in LLaDA's SFT). Leave it at True."
-            )
+        for name, (allowed, reason) in self.unsupported_fields.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"`{name}={getattr(self, name)!r}` is not supported by DiffusionSFTTrainer ({reason}). Leave "
+                    f"`{name}` at {allowed[0]!r}."
+                )
         # TRL's `None` guesses from the dataset; the prompt must always be told apart from the completion.
         self.completion_only_loss = True
         if (self.dataset_kwargs or {}).get("skip_prepare_dataset"):
@@ -120,10 +128,3 @@ class DiffusionSFTConfig(SFTConfig):
                 "tokenized (`prompt_ids` and `completion_ids` columns) is used as it is without it, and preparation "
                 "is where prompts are truncated and lengths checked."
             )
-        if self.loss_type != "nll":
-            raise ValueError(
-                f"`loss_type={self.loss_type!r}` is not supported: the loss is the masked-diffusion cross-entropy "
-                "weighted by 1/t. Leave `loss_type='nll'`."
-            )
-        if self.label_smoothing_factor > 0:
-            raise ValueError("`label_smoothing_factor` is not supported by the masked-diffusion loss; leave it at 0.")
