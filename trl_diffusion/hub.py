@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib
-from contextlib import contextmanager
 
 from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
@@ -29,46 +28,59 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-@contextmanager
-def hub_errors_explained(action: str):
-    """Turns the ways a Hub call fails before or while uploading into a [`HubPushError`] raised from `None`.
+def explain_hub_error(error: BaseException, action: str) -> HubPushError | None:
+    """The [`HubPushError`] for a way a Hub call fails before or while uploading (offline mode, no login or a token
+    that cannot write, no network), or `None` for any other error.
 
     Args:
+        error (`BaseException`):
+            What the Hub call raised.
         action (`str`):
             What was attempted, for the message (e.g. `"push the model to the Hub"`).
     """
-    try:
-        yield
-    except OfflineModeIsEnabled:
-        raise HubPushError(
+    if isinstance(error, HubPushError):  # explained by an inner call already
+        return HubPushError(str(error))
+    if isinstance(error, OfflineModeIsEnabled):
+        return HubPushError(
             f"Cannot {action}: offline mode is on (HF_HUB_OFFLINE=1; `make` sets it). Run with HF_HUB_OFFLINE=0."
-        ) from None
-    except LocalTokenNotFoundError:
-        raise HubPushError(f"Cannot {action}: not logged in to the Hugging Face Hub; {LOGIN_HINT}.") from None
-    except HfHubHTTPError as error:
+        )
+    if isinstance(error, LocalTokenNotFoundError):
+        return HubPushError(f"Cannot {action}: not logged in to the Hugging Face Hub; {LOGIN_HINT}.")
+    if isinstance(error, HfHubHTTPError):
         status = getattr(error.response, "status_code", None)
         if status in (401, 403):
-            raise HubPushError(
+            return HubPushError(
                 f"Cannot {action}: the Hub refused the request (HTTP {status}: not logged in, or the token cannot "
                 f"write there); {LOGIN_HINT}."
-            ) from None
-        raise
-    except _network_errors() as error:
-        raise HubPushError(
+            )
+        return None
+    if isinstance(error, _network_errors()):
+        return HubPushError(
             f"Cannot {action}: the Hugging Face Hub is unreachable ({type(error).__name__}: {error}). Check the "
             "network connection (and HF_ENDPOINT or proxy settings), then retry."
-        ) from None
+        )
+    return None
 
 
 class HubErrorsMixin:
     """For a `transformers.Trainer` subclass: `push_to_hub` and the repository creation that `push_to_hub=True`
     runs at construction fail with one [`HubPushError`] line saying how to log in or that the network is
-    unreachable."""
+    unreachable, raised from the method itself so that the traceback stays a few lines long."""
 
     def init_hf_repo(self, *args, **kwargs):
-        with hub_errors_explained("create the model repository on the Hub"):
+        try:
             return super().init_hf_repo(*args, **kwargs)
+        except Exception as error:
+            explained = explain_hub_error(error, "create the model repository on the Hub")
+            if explained is None:
+                raise
+        raise explained
 
     def push_to_hub(self, *args, **kwargs):
-        with hub_errors_explained("push the model to the Hub"):
+        try:
             return super().push_to_hub(*args, **kwargs)
+        except Exception as error:
+            explained = explain_hub_error(error, "push the model to the Hub")
+            if explained is None:
+                raise
+        raise explained
