@@ -12,6 +12,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import demo_robustness  # noqa: E402
 import learning  # noqa: E402
 import memory  # noqa: E402
 import step_time  # noqa: E402
@@ -155,3 +156,13 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(stage["status"] == "ok" for stage in summary["stages"])
     for stage in summary["stages"]:
         assert load_outputs(tmp_path, f"gpu_{stage['stage']}")["preset"] == "smoke"
+
+
+def test_demo_robustness_smoke(tmp_path):
+    payload = demo_robustness.main(["--smoke", "--seeds", "1", "--output-dir", str(tmp_path)])
+    assert (tmp_path / "demo_robustness.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert json.loads((tmp_path / "demo_robustness.json").read_text()) == payload
+    (run,) = payload["runs"]
+    assert (run["seed"], run["threads"], run["capability"]) == (0, 1, "default")
+    assert run["reward_curve"] and payload["statistics"]["runs"] == 1
+    assert payload["statistics"]["median_improvement_points"] == run["improvement_points"]

@@ -1,28 +1,41 @@
 """The README's main job: a real BGPO training run on a CPU, in minutes, that visibly works.
 
 1. Build a tiny native LLaDA and a character-level tokenizer (no Hub).
-2. SFT it briefly with [`DiffusionSFTTrainer`] on the built-in `largest_digit` task ("Largest of 3 8 1 6 4?"),
-   answering with one of the listed digits drawn at random: the model learns the output format (one digit, copied
-   from the prompt) but not which digit, so it is rarely right.
+2. SFT it briefly with [`DiffusionSFTTrainer`] on the built-in `largest_digit` task ("Largest of 3 8 1 6 4?") with
+   answers that follow a wrong habit most of the time: 70% of the SFT answers are the smallest listed digit, 30% the
+   largest. Greedy decoding follows the habit, so the SFT model is almost never right; sampling still says the
+   largest digit about a third of the time.
 3. Measure held-out accuracy (greedy diffusion decoding on test prompts, disjoint from training).
-4. Train with [`BGPOTrainer`] against the verifiable reward (1 for exactly the largest digit).
+4. Train with [`BGPOTrainer`] against the verifiable reward (1 for exactly the largest digit): the reward alone
+   decides which of the two habits the policy keeps.
 5. Measure held-out accuracy again, print the before/after table, write the reward curve as a PNG, save the model
    (loadable with `from_pretrained`), reload it, check the reloaded model scores what was printed, and print the
    command that pushes it to the Hub.
 
-Run it with `trl-diffusion demo` or `python -m trl_diffusion.demo [--output_dir DIR]`.
+The terminal shows one progress bar per stage and the results; every log line (the trainers' per-step metrics,
+warnings) goes to `output_dir/logs/`. Run it with `trl-diffusion demo` or `python -m trl_diffusion.demo`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import logging
 import random
+import shlex
+import sys
 import time
+import warnings
 from pathlib import Path
 
+import datasets
+import torch
+import transformers
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, ProgressCallback, TrainerCallback
 
 from .evaluation import evaluate_task
 from .generation import DiffusionGenerationConfig
@@ -31,24 +44,106 @@ from .tasks import get_task
 from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
 
 TASK = "largest_digit"
+HUB_REPO_NAME = "tiny-llada-bgpo-largest-digit"
 
 
-def sft_dataset(task_rows: Dataset, seed: int) -> Dataset:
-    """Prompt/completion pairs whose completion is one of the prompt's digits, drawn uniformly: the format without
-    the skill (right a fifth of the time)."""
+def sft_dataset(task_rows: Dataset, seed: int, largest_fraction: float = 0.3) -> Dataset:
+    """Prompt/completion pairs that teach the answer format and a wrong habit: the completion is the largest listed
+    digit with probability `largest_fraction`, else the smallest (which is never the largest)."""
     rng = random.Random(seed)
-    completions = [[{"role": "assistant", "content": str(rng.choice(digits))}] for digits in task_rows["digits"]]
+    completions = [
+        [{"role": "assistant", "content": str(max(digits) if rng.random() < largest_fraction else min(digits))}]
+        for digits in task_rows["digits"]
+    ]
     return Dataset.from_dict({"prompt": task_rows["prompt"], "completion": completions})
+
+
+class StageProgress(TrainerCallback):
+    """One progress bar for a training stage, with the latest reward or loss as its live summary, and every log
+    entry appended as a JSON line to `log_path` (the trainers' own printing is removed by [`quiet_trainer`])."""
+
+    def __init__(self, description: str, log_path: Path):
+        self.description = description
+        self.log_path = log_path
+        self.bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.write_text("")
+        # disable=None: no bar when stdout is not a terminal (a redirected run gets the stage lines only).
+        self.bar = tqdm(total=state.max_steps, desc=self.description, unit="step", disable=None, leave=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        with self.log_path.open("a") as file:
+            file.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+        shown = {key: logs[key] for key in ("reward", "loss") if key in logs}
+        if shown:
+            self.bar.set_postfix({key: f"{value:.3f}" for key, value in shown.items()}, refresh=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
+
+
+def quiet_trainer(trainer, description: str, log_path: Path):
+    """Replaces the trainer's log printing and its own progress bar with a [`StageProgress`]."""
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(StageProgress(description, log_path))
+    return trainer
+
+
+@contextlib.contextmanager
+def logs_to_file(path: Path):
+    """Sends the log records of transformers, TRL, datasets and this package, and Python warnings, to `path`
+    instead of the terminal, and hides the libraries' own progress bars (weights loaded, shards written, datasets
+    mapped), for the duration of the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    names = ("transformers", "trl", "datasets", "accelerate", "trl_diffusion", "py.warnings")
+    saved = {}
+    for name in names:
+        logger = logging.getLogger(name)
+        saved[name] = (logger.handlers[:], logger.propagate, logger.level)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    datasets_bars = datasets.is_progress_bar_enabled()
+    transformers_bars = transformers.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            yield
+    finally:
+        if datasets_bars:
+            datasets.enable_progress_bars()
+        if transformers_bars:
+            transformers.utils.logging.enable_progress_bar()
+        logging.captureWarnings(False)
+        for name, (handlers, propagate, level) in saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
+            logger.setLevel(level)
+        handler.close()
 
 
 def build_and_sft(
     output_dir: Path, seed: int = 0, sft_steps: int = 600, completion_length: int | None = None, verbose: bool = True
 ):
     """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `largest_digit` with
-    random listed digits as answers, on a canvas of `completion_length` tokens (default: the task's 4, end-of-turn
-    after the digit); saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train rows,
-    SFT model directory)`; `benchmarks/learning.py` starts every trainer from that directory and
-    `benchmarks/throughput.py` measures the sampler on an SFT model with a longer canvas."""
+    [`sft_dataset`]'s answers, on a canvas of `completion_length` tokens (default: the task's 4, end-of-turn after
+    the digit); saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train rows, SFT
+    model directory)`; `benchmarks/learning.py` starts every trainer from that directory and
+    `benchmarks/throughput.py` measures the sampler on an SFT model with a longer canvas. With `verbose`, a progress
+    bar and the build line are shown and the per-step logs go to `output_dir/logs/sft.jsonl`."""
     task = get_task(TASK)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_llada(tokenizer, d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=256, seed=seed)
@@ -68,7 +163,7 @@ def build_and_sft(
         completion_length=completion_length or task.max_completion_length,
         logging_steps=100,
         gradient_checkpointing=False,
-        disable_tqdm=None if verbose else True,
+        disable_tqdm=True,
         **common,
     )
     train_rows = task.load("train", seed=seed)
@@ -78,6 +173,10 @@ def build_and_sft(
         train_dataset=sft_dataset(train_rows, seed),
         processing_class=tokenizer,
     )
+    if verbose:
+        quiet_trainer(sft, "[2/5] SFT", output_dir / "logs" / "sft.jsonl")
+    else:
+        sft.remove_callback(PrinterCallback)
     sft.train()
     sft_dir = output_dir / "sft-model"
     sft.save_model(str(sft_dir))
@@ -112,7 +211,15 @@ def reward_curve(log_history: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def push_command(model_dir: Path) -> str:
+    """The `hf upload` command for the trained model, with the `hf` of this environment (on PATH only when its
+    virtual environment is activated) and a placeholder that is not shell syntax."""
+    hf = Path(sys.executable).with_name("hf")
+    executable = str(hf) if hf.exists() else "hf"
+    return shlex.join([executable, "upload", f"YOUR_HF_USERNAME/{HUB_REPO_NAME}", str(model_dir)])
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="outputs/demo", help="Where models, logs and the plot are written.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the training runs.")
@@ -122,16 +229,58 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rl_beta", type=float, default=0.04, help="KL coefficient towards the SFT model.")
     parser.add_argument("--rl_batch_size", type=int, default=64, help="Rollouts per BGPO step (8 per prompt).")
     parser.add_argument("--num_eval_examples", type=int, default=400, help="Held-out prompts (test split).")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--num_threads",
+        type=int,
+        default=1,
+        help="torch threads. One is as fast as two for this tiny model on an idle machine, and does not slow to a "
+        "crawl when other processes keep every core busy.",
+    )
+    parser.add_argument(
+        "--min_improvement",
+        type=float,
+        default=15.0,
+        help="Points of held-out accuracy below which the run is reported as a failure (exit status 1).",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the demo. Returns the summary written to `output_dir/summary.json`; exits with status 1 when the
+    held-out accuracy improved by less than `--min_improvement` points or the reloaded model scores differently."""
+    args = make_parser().parse_args(argv)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if not has_matplotlib:
+        print("matplotlib is not installed (pip install 'trl_diffusion[plots]'): the reward curve will be skipped.")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.num_threads)
+    try:
+        with logs_to_file(output_dir / "logs" / "demo.log"):
+            summary = run(args, output_dir, has_matplotlib)
+    finally:
+        torch.set_num_threads(threads)
+    failures = []
+    if summary["improvement_points"] < args.min_improvement:
+        failures.append(
+            f"the demo did NOT learn: held-out accuracy changed by {summary['improvement_points']:+.1f} points, "
+            f"below the {args.min_improvement:g} expected; the per-step logs are in {output_dir / 'logs'}"
+        )
+    if abs(summary["accuracy_reloaded"] - summary["accuracy_after_bgpo"]) > 1e-9:
+        failures.append("the reloaded model does not score what the trained one did; see the table above")
+    if failures:
+        raise SystemExit("\nFAILED: " + "; ".join(failures) + ".")
+    return summary
+
+
+def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
+    """The five stages, with the terminal output described in the module docstring."""
     task = get_task(TASK)
     start = time.perf_counter()
 
     sft, tokenizer, train_rows, sft_dir = build_and_sft(output_dir, seed=args.seed, sft_steps=args.sft_steps)
-    print(f"[2/5] SFT: {args.sft_steps} steps on random listed digits as answers: {sft_dir}")
-    common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": args.seed, "save_strategy": "no"}
-
+    print(f"[2/5] SFT: {args.sft_steps} steps (answers: 70% the smallest digit, 30% the largest): {sft_dir}")
     greedy = greedy_config(task)
 
     def held_out_accuracy(trained_model) -> float:
@@ -143,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
             generation_config=greedy,
             batch_size=200,
             seed=args.seed,
+            progress_bar=False,
         )
         return result["accuracy"]
 
@@ -166,7 +316,12 @@ def main(argv: list[str] | None = None) -> dict:
         max_prompt_length=64,
         logging_steps=5,
         gradient_checkpointing=False,
-        **common,
+        disable_tqdm=True,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+        save_strategy="no",
     )
     bgpo = BGPOTrainer(
         model=str(sft_dir),
@@ -175,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train_rows,
         processing_class=tokenizer,
     )
+    quiet_trainer(bgpo, "[4/5] BGPO", output_dir / "logs" / "bgpo.jsonl")
     bgpo.train()
     final_dir = output_dir / "model"
     bgpo.save_model(str(final_dir))
@@ -182,34 +338,39 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[4/5] BGPO: {args.rl_steps} steps, {rl_args.num_mc_samples} Monte Carlo samples each: {final_dir}")
 
     plot = output_dir / "reward_curve.png"
-    reward_curve(bgpo.state.log_history, plot)
+    if has_matplotlib:
+        reward_curve(bgpo.state.log_history, plot)
     reloaded = AutoModelForCausalLM.from_pretrained(final_dir)
     reloaded_accuracy = held_out_accuracy(reloaded)
     AutoTokenizer.from_pretrained(final_dir)  # the saved directory is complete: tokenizer included
     elapsed = time.perf_counter() - start
+    improvement = 100 * (after - before)
 
     rows = [("after SFT", before), ("after SFT + BGPO", after), ("reloaded from disk", reloaded_accuracy)]
     print(f"\n[5/5] Held-out accuracy on {args.num_eval_examples} test prompts (greedy decoding):")
     print(f"  {'model':<22}{'accuracy':>10}")
     for name, value in rows:
         print(f"  {name:<22}{value:>10.1%}")
-    print(f"  improvement: {100 * (after - before):+.1f} points, in {elapsed / 60:.1f} minutes")
-    print(
-        f"\nReward curve: {plot}\nModel: {final_dir} (AutoModelForCausalLM.from_pretrained, after `import trl_diffusion`)"
-    )
-    print(f"Push it to the Hub: hf upload <your-username>/tiny-llada-bgpo-largest-digit {final_dir}")
+    print(f"  improvement: {improvement:+.1f} points, in {elapsed / 60:.1f} minutes")
+    if has_matplotlib:
+        print(f"\nReward curve: {plot}")
+    print(f"Model: {final_dir} (AutoModelForCausalLM.from_pretrained, after `import trl_diffusion`)")
+    print(f"Logs: {output_dir / 'logs'}")
+    print("To push the model to the Hub, log in once (`hf auth login`, or set HF_TOKEN), then run:")
+    print(f"  {push_command(final_dir)}")
 
     summary = {
         "task": TASK,
+        "seed": args.seed,
+        "num_threads": args.num_threads,
         "num_eval_examples": args.num_eval_examples,
         "accuracy_after_sft": before,
         "accuracy_after_bgpo": after,
         "accuracy_reloaded": reloaded_accuracy,
+        "improvement_points": improvement,
         "minutes": elapsed / 60,
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if abs(reloaded_accuracy - after) > 1e-9:
-        raise SystemExit("The reloaded model does not score what the trained one did; see the table above.")
     return summary
 
 
