@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from typing import TYPE_CHECKING
 
 from . import models  # noqa: F401  (registers "llada" and "Dream" with the Auto classes)
+
+
+class _OptionalKernelsNotice(logging.Filter):
+    """bitsandbytes (imported by PEFT, itself imported by transformers' Trainer) warns at import that the optional
+    `kernels` package is missing, on every run; it then uses its own CPU kernels, so the line is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "from kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalKernelsNotice())
 
 __version__ = "0.1.0.dev0"
 

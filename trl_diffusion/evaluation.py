@@ -196,7 +196,7 @@ def evaluate_task(
     batches = range(0, len(indices), batch_size)
     show = progress_bar and process_index == 0
     try:
-        for start in tqdm(batches, desc=f"Evaluating {task_name(task)}", unit="batch", disable=not show):
+        for start in tqdm(batches, desc=f"Evaluating {task_name(task)}", unit="batch", disable=None if show else True):
             batch_prompts = prompts[start : start + batch_size]
             input_ids, attention_mask = _left_pad(
                 _tokenize_prompts(tokenizer, batch_prompts, chat_template_kwargs or {}), pad_token_id, device

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import struct
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,14 @@ def choose_precision_defaults(config) -> None:
             "`bf16=True` needs a GPU with bfloat16 support, and none is available: pass `bf16=False` (`--bf16 false`) "
             "to train in float32 on the CPU, or run on a GPU."
         )
+
+
+def choose_progress_defaults(config) -> None:
+    """Run before `TrainingArguments.__post_init__`: when `disable_tqdm` is unset and standard error is not a terminal
+    (a job's log file, CI), the per-step progress bar, whose carriage-return redraws turn a log file into one line of
+    hundreds of kilobytes, gives way to transformers' one printed line per logging step."""
+    if config.disable_tqdm is None and not sys.stderr.isatty():
+        config.disable_tqdm = True
 
 
 def check_prompt_column(dataset, argument: str) -> None:

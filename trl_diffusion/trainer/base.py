@@ -46,7 +46,13 @@ from ..generation import (
 from ..hub import HubErrorsMixin
 from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS, derive_seed
 from ..models.adapter import DiffusionAdapter
-from ..validation import check_checkpoint, check_model_path, check_prompt_column, choose_precision_defaults
+from ..validation import (
+    check_checkpoint,
+    check_model_path,
+    check_prompt_column,
+    choose_precision_defaults,
+    choose_progress_defaults,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +226,7 @@ class DiffusionGRPOConfig(GRPOConfig):
         if self.activation_checkpointing is None:
             self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         choose_precision_defaults(self)
+        choose_progress_defaults(self)
         super().__post_init__()
         for name, (allowed, reason) in self.unsupported_fields.items():
             if getattr(self, name) not in allowed:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from trl import SFTConfig
 
-from ..validation import choose_precision_defaults
+from ..validation import choose_precision_defaults, choose_progress_defaults
 
 
 @dataclass
@@ -107,6 +107,7 @@ class DiffusionSFTConfig(SFTConfig):
         if self.activation_checkpointing is None:
             self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         choose_precision_defaults(self)
+        choose_progress_defaults(self)
         super().__post_init__()
         if not 0.0 < self.timestep_eps < 1.0:
             raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
