@@ -12,14 +12,16 @@ machine emulates the kernels of others. Every seed runs `--runs-per-seed` times,
 
 Prints each run and the distribution of the improvement (median, minimum, fraction of runs at or above +15
 points) and of the wall time; writes `<output-dir>/<name>.json`, `<name>.png` (improvement per run) and
-`<name>_median_curve.png` (the reward curve of the median run). With `--jobs 2` two demos share the CPU, so their
-wall times are those of a loaded machine; the improvement does not depend on it.
+`<name>_median_curve.png` (the reward curve of the median run). With `--jobs 2` two one-thread demos share the CPU, so
+their wall times are those of a busy machine (runs of two threads run alone); the improvement does not depend on it.
+`--work-dir DIR` keeps the runs and reuses the finished ones, so an interrupted sweep resumes.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import os
@@ -51,15 +53,11 @@ def cpu_capabilities() -> list[str]:
 
 
 def run_demo(seed: int, threads: int, capability: str, scratch: Path, extra_args: list[str]) -> dict:
-    """One demo in a fresh process; returns its summary, its reward curve and the run's settings."""
+    """One demo in a fresh process (none when `scratch` already holds this run's finished output); returns its
+    summary, its reward curve and the run's settings."""
     output_dir = scratch / f"seed{seed}-threads{threads}-{capability}"
-    command = [sys.executable, "-m", "trl_diffusion.demo", "--seed", str(seed), "--num_threads", str(threads)]
-    # The demo's own pass/fail check is the benchmark's to count, not a reason to stop the sweep.
-    command += ["--output_dir", str(output_dir), "--min_improvement", "-1000", *extra_args]
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True)
-    if completed.returncode != 0:
-        raise RuntimeError(f"demo run {output_dir.name} failed:\n{completed.stderr[-3000:]}")
+    if not (output_dir / "summary.json").exists():
+        launch_demo(seed, threads, capability, output_dir, extra_args)
     summary = json.loads((output_dir / "summary.json").read_text())
     logs = [json.loads(line) for line in (output_dir / "logs" / "bgpo.jsonl").read_text().splitlines()]
     curve = [[entry["step"], entry["reward"]] for entry in logs if "reward" in entry]
@@ -71,6 +69,16 @@ def run_demo(seed: int, threads: int, capability: str, scratch: Path, extra_args
         "reward_curve": curve,
         "output_dir": str(output_dir),
     }
+
+
+def launch_demo(seed: int, threads: int, capability: str, output_dir: Path, extra_args: list[str]) -> None:
+    command = [sys.executable, "-m", "trl_diffusion.demo", "--seed", str(seed), "--num_threads", str(threads)]
+    # The demo's own pass/fail check is the benchmark's to count, not a reason to stop the sweep.
+    command += ["--output_dir", str(output_dir), "--min_improvement", "-1000", *extra_args]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"demo run {output_dir.name} failed:\n{completed.stderr[-3000:]}")
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -111,7 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=10, help="Seeds 0..N-1.")
     parser.add_argument("--runs-per-seed", type=int, default=2, help="(threads, kernels) pairs run per seed.")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts to sweep.")
-    parser.add_argument("--jobs", type=int, default=2, help="Demo processes at once.")
+    parser.add_argument("--jobs", type=int, default=2, help="One-thread demo processes at once.")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="Keep the runs' outputs here (default: a temporary directory); runs already finished there are reused.",
+    )
     parser.add_argument("--smoke", action="store_true", help="Toy sizes (seconds): checks that the script runs.")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="Where the JSON and PNGs go.")
     parser.add_argument("--name", default="demo_robustness", help="Stem of the output files.")
@@ -125,19 +138,28 @@ def main(argv: list[str] | None = None) -> dict:
         for repeat in range(args.runs_per_seed)
     ]
     extra_args = SMOKE_ARGS if args.smoke else []
-    with tempfile.TemporaryDirectory(prefix="demo-robustness-") as scratch:
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(run_demo, *job, Path(scratch), extra_args) for job in plan]
-            runs = []
-            for future in concurrent.futures.as_completed(futures):
-                run = future.result()
-                runs.append(run)
-                print(
-                    f"seed {run['seed']}, {run['threads']} thread(s), {run['capability']}: "
-                    f"{run['accuracy_after_sft']:.1%} -> {run['accuracy_after_bgpo']:.1%} "
-                    f"({run['improvement_points']:+.1f} points) in {run['minutes']:.1f} min",
-                    flush=True,
-                )
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="demo-robustness-")))
+        else:
+            scratch = args.work_dir
+            scratch.mkdir(parents=True, exist_ok=True)
+        runs = []
+        # Runs of one thread share the CPU, `--jobs` at a time; a run of several threads has the CPU to itself,
+        # since threads that wait for each other on cores another process holds slow it down many times over.
+        for threads in sorted(set(args.threads)):
+            jobs = args.jobs if threads == 1 else 1
+            with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+                futures = [pool.submit(run_demo, *job, scratch, extra_args) for job in plan if job[1] == threads]
+                for future in concurrent.futures.as_completed(futures):
+                    run = future.result()
+                    runs.append(run)
+                    print(
+                        f"seed {run['seed']}, {run['threads']} thread(s), {run['capability']}: "
+                        f"{run['accuracy_after_sft']:.1%} -> {run['accuracy_after_bgpo']:.1%} "
+                        f"({run['improvement_points']:+.1f} points) in {run['minutes']:.1f} min",
+                        flush=True,
+                    )
         runs.sort(key=lambda run: (run["seed"], run["threads"], run["capability"]))
         gains = [run["improvement_points"] for run in runs]
         minutes = [run["minutes"] for run in runs]
@@ -177,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"\n{len(runs)} runs: median {statistics_['median_improvement_points']:+.1f} points, minimum "
         f"{statistics_['min_improvement_points']:+.1f}, {statistics_['fraction_at_or_above_threshold']:.0%} at or above "
-        f"+{THRESHOLD_POINTS:g}; median wall time {statistics_['median_minutes']:.1f} min ({args.jobs} at once)"
+        f"+{THRESHOLD_POINTS:g}; median wall time {statistics_['median_minutes']:.1f} min"
     )
     for run in runs:
         del run["output_dir"]
