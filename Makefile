@@ -30,7 +30,8 @@ sandbox:
 	    exit 1; \
 	  fi; }
 
-demo: install
+# The demo needs no sandbox: it must run where bubblewrap cannot be installed.
+demo: $(VENV)/.installed
 	$(BIN)/python -m trl_diffusion.demo
 
 test: install
