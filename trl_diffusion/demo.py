@@ -45,9 +45,11 @@ from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTr
 
 TASK = "largest_digit"
 HUB_REPO_NAME = "tiny-llada-bgpo-largest-digit"
+# Share of the SFT answers that are the largest listed digit; the others are the smallest.
+SFT_LARGEST_FRACTION = 0.3
 
 
-def sft_dataset(task_rows: Dataset, seed: int, largest_fraction: float = 0.3) -> Dataset:
+def sft_dataset(task_rows: Dataset, seed: int, largest_fraction: float = SFT_LARGEST_FRACTION) -> Dataset:
     """Prompt/completion pairs that teach the answer format and a wrong habit: the completion is the largest listed
     digit with probability `largest_fraction`, else the smallest (which is never the largest)."""
     rng = random.Random(seed)
@@ -280,7 +282,10 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
     start = time.perf_counter()
 
     sft, tokenizer, train_rows, sft_dir = build_and_sft(output_dir, seed=args.seed, sft_steps=args.sft_steps)
-    print(f"[2/5] SFT: {args.sft_steps} steps (answers: 70% the smallest digit, 30% the largest): {sft_dir}")
+    largest = SFT_LARGEST_FRACTION
+    print(
+        f"[2/5] SFT: {args.sft_steps} steps (answers: {1 - largest:.0%} the smallest digit, {largest:.0%} the largest): {sft_dir}"
+    )
     greedy = greedy_config(task)
 
     def held_out_accuracy(trained_model) -> float:
