@@ -5,6 +5,8 @@ Fixtures (the tiny models, their saved checkpoint) live in `conftest.py`; these 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from datasets import Dataset
 from peft import LoraConfig
@@ -50,6 +52,19 @@ def save_checkpoint(model, tokenizer, directory) -> str:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def eos_leaning_checkpoint(model, tokenizer, directory, eos_weight: float) -> str:
+    """Saves a copy of `model` bent towards EOS: a constant feature in the embeddings (dimension 0) carries through
+    the residual stream and only EOS reads it in the output head, with weight `eos_weight` (0.5: completions end
+    after one to a few tokens; 3.0: almost all the mass on EOS at every position)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 10.0
+        head = model.get_output_embeddings().weight
+        head[:, 0] = 0.0
+        head[tokenizer.eos_token_id, 0] = eos_weight
+    return save_checkpoint(model, tokenizer, directory)
 
 
 def completion_texts(completions) -> list[str]:

@@ -7,7 +7,6 @@ old policy (and that it generates the rollouts), activation memory flat in the n
 sampler `lfpo_state_masks`.
 """
 
-import copy
 import dataclasses
 import math
 
@@ -256,15 +255,10 @@ def test_on_policy_gradient_is_clipped_advantage_times_state_logprob_gradient(pe
 
 @pytest.fixture(scope="module")
 def short_answer_model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
-    """The tiny LLaDA leaning towards EOS (a constant embedding feature that only EOS reads in the output head):
-    its completions end after one to a few tokens, with positions behind the terminator decoded later."""
-    model = copy.deepcopy(tiny_llada)
-    with torch.no_grad():
-        model.get_input_embeddings().weight[:, 0] = 10.0
-        head = model.get_output_embeddings().weight
-        head[:, 0] = 0.0
-        head[tiny_tokenizer.eos_token_id, 0] = 0.5
-    return helpers.save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llada-short"))
+    """The tiny LLaDA leaning towards EOS: its completions end after one to a few tokens, with positions behind the
+    terminator decoded later."""
+    directory = tmp_path_factory.mktemp("tiny-llada-short")
+    return helpers.eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, directory, eos_weight=0.5)
 
 
 def test_answer_region_states_are_the_recorded_canvases(short_answer_model_dir, tmp_path):

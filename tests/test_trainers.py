@@ -36,9 +36,9 @@ from helpers import (
     completion_texts,
     cpu_argv,
     distinct_chars,
+    eos_leaning_checkpoint,
     gradients,
     rollout_batch,
-    save_checkpoint,
     say_dataset,
     tiny_grpo_config,
     tiny_trainer,
@@ -561,15 +561,9 @@ def test_prompt_longer_than_the_context(tiny_llada_dir, tmp_path, tiny_llada):
 
 @pytest.fixture(scope="module")
 def eos_model_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
-    """The tiny LLaDA bent to put almost all its mass on EOS at every position: a constant feature in the
-    embeddings (dimension 0) carries through the residual stream, and only EOS reads it in the output head."""
-    model = copy.deepcopy(tiny_llada)
-    with torch.no_grad():
-        model.get_input_embeddings().weight[:, 0] = 10.0
-        head = model.get_output_embeddings().weight
-        head[:, 0] = 0.0
-        head[tiny_tokenizer.eos_token_id, 0] = 3.0
-    return save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llada-eos"))
+    """The tiny LLaDA bent to put almost all its mass on EOS at every position."""
+    directory = tmp_path_factory.mktemp("tiny-llada-eos")
+    return eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, directory, eos_weight=3.0)
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))
