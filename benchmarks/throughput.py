@@ -4,13 +4,13 @@ with the agreement of each setting's greedy output with the uncached fixed sched
 For each generation length L (128, 256 and 512 on the CPU), greedy decoding of a batch of test prompts of the built-in
 demo task `largest_digit` (chat template with the generation prompt, left-padded), blocks of 32, with
 
-- `fixed`: LLaDA's schedule, `steps = L / 2` forward passes;
+- `fixed`: LLaDA's schedule, `diffusion_steps = L / 2` forward passes;
 - `threshold`: confidence-threshold parallel decoding (Fast-dLLM, threshold 0.9, at most L steps);
 
-each with every cache mode of the sampler (`DiffusionGenerationConfig.cache`: `none`, `prefix`, `dual`). Reported per
-setting: seconds (median over repeats, after one untimed warm-up run per length), forward passes, tokens per forward
-pass, tokens per second, milliseconds per forward pass, `speedup` (tokens per second over the uncached fixed
-schedule's at the same L), `agreement` (fraction of the completion tokens equal to the uncached fixed schedule's
+each with every cache mode of the sampler (`DiffusionGenerationConfig.generation_cache`: `none`, `prefix`, `dual`).
+Reported per setting: seconds (median over repeats, after one untimed warm-up run per length), forward passes, tokens
+per forward pass, tokens per second, milliseconds per forward pass, `speedup` (tokens per second over the uncached
+fixed schedule's at the same L), `agreement` (fraction of the completion tokens equal to the uncached fixed schedule's
 greedy output at the same L) and `accuracy` (the task's `accuracy_func` on the completions cut after their terminator
 and decoded without special tokens, as `trl_diffusion.evaluation.evaluate_task` scores them). Seconds are wall time
 on a GPU and process CPU time on the CPU (one torch thread; see `_common.clock`), so CPU figures are per CPU-second of
@@ -100,9 +100,13 @@ def prompt_batch(task, tokenizer, rows: int, device):
     return dataset, batch["input_ids"].to(device), batch["attention_mask"].to(device)
 
 
-def decoding_config(gen_length: int, block_length: int, decoding: str, cache: str) -> DiffusionGenerationConfig:
-    schedule = {"steps": gen_length // 2} if decoding == "fixed" else {"threshold": THRESHOLD}
-    return DiffusionGenerationConfig(gen_length=gen_length, block_length=block_length, cache=cache, **schedule)
+def decoding_config(
+    max_completion_length: int, block_length: int, decoding: str, cache: str
+) -> DiffusionGenerationConfig:
+    schedule = {"diffusion_steps": max_completion_length // 2} if decoding == "fixed" else {"threshold": THRESHOLD}
+    return DiffusionGenerationConfig(
+        max_completion_length=max_completion_length, block_length=block_length, generation_cache=cache, **schedule
+    )
 
 
 def timed_generate(model, input_ids, attention_mask, config, adapter, device: str):
@@ -132,7 +136,11 @@ def load_model(args, preset: Preset, device: str, scratch: Path):
     elif preset.sft_steps is not None:
         print(f"SFT of the demo's tiny LLaDA on {TASK} ({preset.sft_steps} steps)")
         *_, model_dir = build_and_sft(
-            scratch, seed=0, sft_steps=preset.sft_steps, completion_length=preset.sft_completion_length, verbose=False
+            scratch,
+            seed=0,
+            sft_steps=preset.sft_steps,
+            max_completion_length=preset.sft_completion_length,
+            verbose=False,
         )
         source = f"the demo's SFT, {preset.sft_steps} steps, canvas {preset.sft_completion_length}"
         trained_on_task = True
@@ -153,13 +161,13 @@ def plot(results: list[dict], device: str, model_source: str, path: Path) -> Non
     import matplotlib.pyplot as plt
 
     measured = [result for result in results if "seconds" in result]
-    groups = list(dict.fromkeys((r["gen_length"], r["decoding"]) for r in measured))
+    groups = list(dict.fromkeys((r["max_completion_length"], r["decoding"]) for r in measured))
     caches = list(dict.fromkeys(r["cache"] for r in measured))
     width = 0.8 / len(caches)
     figure, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     per = "CPU-second" if device == "cpu" else "second"
     for index, cache in enumerate(caches):
-        by_group = {(r["gen_length"], r["decoding"]): r for r in measured if r["cache"] == cache}
+        by_group = {(r["max_completion_length"], r["decoding"]): r for r in measured if r["cache"] == cache}
         positions = [group_index + (index - (len(caches) - 1) / 2) * width for group_index in range(len(groups))]
         present = [(position, by_group[group]) for position, group in zip(positions, groups) if group in by_group]
         x = [position for position, _ in present]
@@ -216,16 +224,18 @@ def main(argv=None) -> dict:
     dataset, input_ids, attention_mask = prompt_batch(task, tokenizer, preset.rows, device)
 
     results, summary = [], []
-    for gen_length in gen_lengths:
-        warm_up = decoding_config(gen_length, preset.block_length, *BASELINE)
+    for max_completion_length in gen_lengths:
+        warm_up = decoding_config(max_completion_length, preset.block_length, *BASELINE)
         timed_generate(model, input_ids, attention_mask, warm_up, adapter, device)
         settings = []  # (result entry, config, timed seconds)
         for decoding in DECODINGS:
             for cache in CACHE_MODES:
-                entry = {"gen_length": gen_length, "decoding": decoding, "cache": cache}
+                entry = {"max_completion_length": max_completion_length, "decoding": decoding, "cache": cache}
                 results.append(entry)
                 try:
-                    settings.append((entry, decoding_config(gen_length, preset.block_length, decoding, cache), []))
+                    settings.append(
+                        (entry, decoding_config(max_completion_length, preset.block_length, decoding, cache), [])
+                    )
                 except ValueError as error:  # a combination the sampler refuses
                     entry["skipped"] = str(error)
         completions = {}  # greedy: every round decodes the same completion, kept from the first
@@ -245,14 +255,17 @@ def main(argv=None) -> dict:
         baseline = next(entry for entry, _, _ in settings if (entry["decoding"], entry["cache"]) == BASELINE)
         for entry, _, seconds in settings:
             if "failed" in entry:
-                print(f"L={gen_length} {entry['decoding']:<9} cache {entry['cache']:<6}: failed ({entry['failed']})")
+                print(
+                    f"L={max_completion_length} {entry['decoding']:<9} cache {entry['cache']:<6}: "
+                    f"failed ({entry['failed']})"
+                )
                 continue
             median = statistics.median(seconds)
             completion_ids = completions[entry["decoding"], entry["cache"]]
             entry.update(
                 seconds=round(median, 4),
                 tokens_per_forward=round(entry["tokens_per_forward"], 3),
-                tokens_per_second=round(preset.rows * gen_length / median, 1),
+                tokens_per_second=round(preset.rows * max_completion_length / median, 1),
                 ms_per_forward=round(1000 * median / entry["forward_passes"], 3),
                 agreement=round((completion_ids == completions[BASELINE]).float().mean().item(), 4),
                 accuracy=task_accuracy(task, tokenizer, dataset, completion_ids, adapter.terminator_ids),
@@ -262,7 +275,7 @@ def main(argv=None) -> dict:
             if "seconds" in entry:
                 entry["speedup"] = round(entry["tokens_per_second"] / baseline["tokens_per_second"], 2)
                 print(
-                    f"L={gen_length} {entry['decoding']:<9} cache {entry['cache']:<6}: "
+                    f"L={max_completion_length} {entry['decoding']:<9} cache {entry['cache']:<6}: "
                     f"{entry['tokens_per_second']:9.1f} tok/s ({entry['speedup']:.2f}x), "
                     f"{entry['forward_passes']} forwards, {entry['ms_per_forward']:.2f} ms/forward, "
                     f"agreement {entry['agreement']:.4f}, accuracy {entry['accuracy']:.0%}"
@@ -274,7 +287,9 @@ def main(argv=None) -> dict:
         ]
         if cached_threshold:
             best = max(cached_threshold, key=lambda entry: entry["speedup"])
-            summary.append({key: best[key] for key in ("gen_length", "cache", "speedup", "agreement", "accuracy")})
+            summary.append(
+                {key: best[key] for key in ("max_completion_length", "cache", "speedup", "agreement", "accuracy")}
+            )
 
     elapsed = time.perf_counter() - started
     cpu = "CPU " if device == "cpu" else ""
@@ -282,11 +297,11 @@ def main(argv=None) -> dict:
     headers = ["L", "decoding", "cache", "forwards", "tokens/forward", f"tokens/{per}", "speedup"]
     headers += [f"{cpu}ms/forward", f"{cpu}seconds", "agreement", "accuracy"]
     rows = [
-        [r["gen_length"], r["decoding"], r["cache"], r["forward_passes"], r["tokens_per_forward"]]
+        [r["max_completion_length"], r["decoding"], r["cache"], r["forward_passes"], r["tokens_per_forward"]]
         + [r["tokens_per_second"], f"{r['speedup']:.2f}x", r["ms_per_forward"], r["seconds"], f"{r['agreement']:.4f}"]
         + [f"{r['accuracy']:.1%}"]
         if "seconds" in r
-        else [r["gen_length"], r["decoding"], r["cache"]]
+        else [r["max_completion_length"], r["decoding"], r["cache"]]
         + ["-"] * 5
         + ["failed" if "failed" in r else "skipped", "-", "-"]
         for r in results
@@ -296,13 +311,13 @@ def main(argv=None) -> dict:
     for result in results:
         for outcome in ("skipped", "failed"):
             if outcome in result:
-                setting = f"L={result['gen_length']} {result['decoding']} cache {result['cache']}"
+                setting = f"L={result['max_completion_length']} {result['decoding']} cache {result['cache']}"
                 print(f"{outcome} {setting}: {result[outcome]}")
     for best in summary:
         print(
-            f"L={best['gen_length']}: cache + threshold at best {best['speedup']:.2f}x the tokens per {per} of the "
-            f"uncached fixed schedule (cache {best['cache']}), agreement {best['agreement']:.4f}, accuracy "
-            f"{best['accuracy']:.1%} on {preset.rows} {TASK} test prompts"
+            f"L={best['max_completion_length']}: cache + threshold at best {best['speedup']:.2f}x the tokens per "
+            f"{per} of the uncached fixed schedule (cache {best['cache']}), agreement {best['agreement']:.4f}, "
+            f"accuracy {best['accuracy']:.1%} on {preset.rows} {TASK} test prompts"
         )
     print(f"total {elapsed:.0f} s")
 

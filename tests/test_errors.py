@@ -34,20 +34,23 @@ def d1_args(output_dir, **settings):
         (dict(temperature=math.nan), "`temperature` must be a finite number"),
         (dict(temperature=math.inf), "`temperature` must be a finite number"),
         (dict(cfg_scale=math.nan), "`cfg_scale` must be a finite number"),
-        (dict(gen_length=32.0), r"`gen_length` must be an integer, got 32.0 \(float\)"),
-        (dict(steps=16.0), r"`steps` must be an integer"),
+        (dict(max_completion_length=32.0), r"`max_completion_length` must be an integer, got 32.0 \(float\)"),
+        (dict(diffusion_steps=16.0), r"`diffusion_steps` must be an integer"),
     ],
 )
 def test_sampler_settings_are_checked(settings, match):
     with pytest.raises(ValueError, match=match):
-        DiffusionGenerationConfig(**{"gen_length": 32, "block_length": 8, **settings})
+        DiffusionGenerationConfig(**{"max_completion_length": 32, "block_length": 8, **settings})
 
 
 @pytest.mark.parametrize(
     "settings, match",
     [
         (dict(temperature=math.nan), "`temperature` must be a finite number"),
-        (dict(max_completion_length=8.0), "`gen_length` must be an integer.*`gen_length` is `max_completion_length`"),
+        (
+            dict(max_completion_length=8.0),
+            "`max_completion_length` must be an integer.*`max_completion_length` is `max_completion_length`",
+        ),
     ],
 )
 def test_trainer_config_names_the_sampler_field(settings, match, tmp_path):
@@ -59,7 +62,7 @@ def test_prompt_token_outside_the_vocabulary(tiny_llama, tiny_tokenizer):
     adapter = DiffusionAdapter.from_model(tiny_llama, tiny_tokenizer)
     vocab_size = tiny_llama.get_input_embeddings().weight.shape[0]
     input_ids = torch.tensor([[tiny_tokenizer.bos_token_id, vocab_size + 7]])
-    config = DiffusionGenerationConfig(gen_length=4, block_length=4, steps=2)
+    config = DiffusionGenerationConfig(max_completion_length=4, block_length=4, diffusion_steps=2)
     with pytest.raises(ValueError, match=f"token id {vocab_size + 7}, outside the model's vocabulary"):
         generate(tiny_llama, input_ids, generation_config=config, adapter=adapter)
 

@@ -86,17 +86,17 @@ class CraftedLogitsModel(torch.nn.Module):
     def __init__(self, logits_by_last_prompt_token):
         super().__init__()
         self.logits_by_last_prompt_token = logits_by_last_prompt_token
-        self.gen_length = len(next(iter(logits_by_last_prompt_token.values())))
+        self.max_completion_length = len(next(iter(logits_by_last_prompt_token.values())))
         self.calls = []
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
         self.calls.append((input_ids.clone(), attention_mask.clone()))
         logits = torch.zeros(*input_ids.shape, VOCAB)
-        last_prompt_tokens = input_ids[:, -self.gen_length - 1].tolist()
+        last_prompt_tokens = input_ids[:, -self.max_completion_length - 1].tolist()
         for row, token in enumerate(last_prompt_tokens):
             # The unconditional half of a guided batch has its prompt masked: it gets flat logits.
             if token in self.logits_by_last_prompt_token:
-                logits[row, -self.gen_length :] = self.logits_by_last_prompt_token[token]
+                logits[row, -self.max_completion_length :] = self.logits_by_last_prompt_token[token]
         return SimpleNamespace(logits=logits)
 
 
@@ -117,7 +117,7 @@ STUB_ATTENTION = (STUB_PROMPTS != PAD).long()
 )
 def test_greedy_left_padded_batch_equals_each_prompt_alone(sharp_llama, tiny_tokenizer, chat_prompts, settings):
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
-    config = DiffusionGenerationConfig(gen_length=24, block_length=8, **settings)
+    config = DiffusionGenerationConfig(max_completion_length=24, block_length=8, **settings)
     batch = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     assert (chat_prompts["attention_mask"] == 0).any(), "the prompts must differ in length"
     assert torch.equal(batch.completion_ids, decode_each_alone(sharp_llama, adapter, chat_prompts, config))
@@ -126,7 +126,7 @@ def test_greedy_left_padded_batch_equals_each_prompt_alone(sharp_llama, tiny_tok
 
 
 def test_greedy_batch_equals_alone_on_the_fixture_model(tiny_llama, tiny_llama_adapter, chat_prompts):
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8)
     batch = generate(tiny_llama, **chat_prompts, generation_config=config, adapter=tiny_llama_adapter)
     assert torch.equal(batch.completion_ids, decode_each_alone(tiny_llama, tiny_llama_adapter, chat_prompts, config))
 
@@ -136,7 +136,7 @@ def test_greedy_batch_equals_alone_on_native_models(model_fixture, request, tiny
     # Dream's logits are shifted: the adapter reads position i's prediction from output i - 1.
     model = sharpened(request.getfixturevalue(model_fixture))
     adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, threshold=0.3)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, threshold=0.3)
     batch = generate(model, **chat_prompts, generation_config=config, adapter=adapter)
     assert torch.equal(batch.completion_ids, decode_each_alone(model, adapter, chat_prompts, config))
 
@@ -169,7 +169,7 @@ def test_cosine_schedule_commits_everything_at_least_one_per_step(steps):
 
 def test_fixed_schedule_commit_counts_blocks_and_stats(sharp_llama, tiny_tokenizer, chat_prompts):
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=6)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, diffusion_steps=6)
     output = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     for row in range(len(PROMPTS)):
         # Two blocks of 8 masks, 3 steps each: LLaDA commits 3, 3, 2 per block.
@@ -195,7 +195,7 @@ def test_remasking_strategies_unmask_everything_with_schedule_counts(
     sharp_llama, tiny_tokenizer, chat_prompts, settings
 ):
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=8, **settings)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, diffusion_steps=8, **settings)
     output = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     assert not (output.completion_ids == adapter.mask_token_id).any()
     expected = num_transfer_tokens(torch.tensor([8]), 4, config.schedule)[0].tolist() * 2
@@ -204,19 +204,19 @@ def test_remasking_strategies_unmask_everything_with_schedule_counts(
 
 
 def test_threshold_decoding_needs_fewer_forward_passes(sharp_llama, tiny_tokenizer, chat_prompts):
-    # Baseline: one token per step (Fast-dLLM's baseline, steps = gen_length). On the sharpened tiny model many
-    # confidences exceed 0.3, so threshold decoding commits several tokens in some steps.
+    # Baseline: one token per step (Fast-dLLM's baseline, diffusion_steps = max_completion_length). On the sharpened
+    # tiny model many confidences exceed 0.3, so threshold decoding commits several tokens in some steps.
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
     fixed = generate(
         sharp_llama,
         **chat_prompts,
-        generation_config=DiffusionGenerationConfig(gen_length=24, block_length=8, steps=24),
+        generation_config=DiffusionGenerationConfig(max_completion_length=24, block_length=8, diffusion_steps=24),
         adapter=adapter,
     )
     parallel = generate(
         sharp_llama,
         **chat_prompts,
-        generation_config=DiffusionGenerationConfig(gen_length=24, block_length=8, threshold=0.3),
+        generation_config=DiffusionGenerationConfig(max_completion_length=24, block_length=8, threshold=0.3),
         adapter=adapter,
     )
     assert fixed.num_forward_passes == 24
@@ -228,7 +228,7 @@ def test_threshold_decoding_needs_fewer_forward_passes(sharp_llama, tiny_tokeniz
     strict = generate(
         sharp_llama,
         **chat_prompts,
-        generation_config=DiffusionGenerationConfig(gen_length=24, block_length=8, threshold=1.0),
+        generation_config=DiffusionGenerationConfig(max_completion_length=24, block_length=8, threshold=1.0),
         adapter=adapter,
     )
     assert torch.equal(strict.completion_ids, fixed.completion_ids)
@@ -243,18 +243,20 @@ def test_threshold_decoding_exact_on_crafted_logits():
     output = generate(
         model,
         prompt,
-        generation_config=DiffusionGenerationConfig(gen_length=16, block_length=8, threshold=0.5),
+        generation_config=DiffusionGenerationConfig(max_completion_length=16, block_length=8, threshold=0.5),
         adapter=STUB_ADAPTER,
     )
     # Per block: one step commits the four confident positions, then one step per remaining position.
     expected = [0, 1, 0, 2, 0, 3, 0, 4] + [5, 6, 5, 7, 5, 8, 5, 9]
     assert output.commit_step[0].tolist() == expected
     assert output.num_forward_passes == len(model.calls) == 10
-    # With steps=4 (2 per block) the schedule's 4 tokens per step are the floor: 2 steps per block.
+    # With diffusion_steps=4 (2 per block) the schedule's 4 tokens per step are the floor: 2 steps per block.
     output = generate(
         model,
         prompt,
-        generation_config=DiffusionGenerationConfig(gen_length=16, block_length=8, steps=4, threshold=0.5),
+        generation_config=DiffusionGenerationConfig(
+            max_completion_length=16, block_length=8, diffusion_steps=4, threshold=0.5
+        ),
         adapter=STUB_ADAPTER,
     )
     assert output.commit_step[0].tolist() == [0, 1, 0, 1, 0, 1, 0, 1] + [2, 3, 2, 3, 2, 3, 2, 3]
@@ -279,7 +281,7 @@ def early_stop_model():
 
 
 def test_early_stop_stops_each_row_and_fills_with_eos():
-    config = DiffusionGenerationConfig(gen_length=16, block_length=16, steps=16, early_stop=True)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=16, diffusion_steps=16, early_stop=True)
     model = early_stop_model()
     output = generate(model, STUB_PROMPTS, STUB_ATTENTION, generation_config=config, adapter=STUB_ADAPTER)
     # Row 2 commits its EOS at step 0 but positions 0..4 are still masked: it stops once they are committed.
@@ -311,7 +313,9 @@ def test_early_stop_stops_each_row_and_fills_with_eos():
 
 
 def test_defer_terminators_commits_them_last():
-    config = DiffusionGenerationConfig(gen_length=16, block_length=16, steps=16, defer_terminators=True)
+    config = DiffusionGenerationConfig(
+        max_completion_length=16, block_length=16, diffusion_steps=16, defer_terminators=True
+    )
     output = generate(early_stop_model(), STUB_PROMPTS, STUB_ATTENTION, generation_config=config, adapter=STUB_ADAPTER)
     # Row 2's EOS was the most confident proposal; deferred, it is the last position committed.
     assert output.commit_step[2, 5].item() == 15
@@ -330,7 +334,7 @@ class FlickeringModel(torch.nn.Module):
 
 
 def test_stop_patience_commits_a_stable_prediction_and_only_then():
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=16, stop_patience=3)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, diffusion_steps=16, stop_patience=3)
     # Constant logits: the same prediction at every step, so the row stops after three steps, committing it.
     strengths = [8.0 - 0.25 * position for position in range(16)]
     stable = CraftedLogitsModel({5: crafted_logits([4 + p % 6 for p in range(16)], strengths)})
@@ -345,14 +349,14 @@ def test_stop_patience_commits_a_stable_prediction_and_only_then():
 
 
 def test_lfpo_inference_preset():
-    config = generation.lfpo_inference_config(gen_length=64, block_length=32)
+    config = generation.lfpo_inference_config(max_completion_length=64, block_length=32)
     assert (config.schedule, config.threshold, config.stop_patience) == ("cosine", 0.99, 3)
-    assert generation.lfpo_inference_config(gen_length=64, threshold=0.9).threshold == 0.9
+    assert generation.lfpo_inference_config(max_completion_length=64, threshold=0.9).threshold == 0.9
 
 
 def test_guidance_is_one_batched_call_with_the_prompt_masked():
     model = early_stop_model()
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=4, cfg_scale=1.0)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, diffusion_steps=4, cfg_scale=1.0)
     output = generate(model, STUB_PROMPTS, STUB_ATTENTION, generation_config=config, adapter=STUB_ADAPTER)
     assert output.num_forward_passes == len(model.calls) == 4
     input_ids, attention_mask = model.calls[0]
@@ -368,7 +372,7 @@ def test_guidance_is_one_batched_call_with_the_prompt_masked():
 
 def test_sampling_is_reproducible_and_leaves_global_rng_alone(sharp_llama, tiny_tokenizer, chat_prompts):
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, temperature=1.0, seed=3)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, temperature=1.0, seed=3)
     rng_state = torch.get_rng_state()
 
     def sample(**kwargs):
@@ -399,7 +403,9 @@ def test_gumbel_noise_is_float64_over_committable_positions_only(
     gumbel_max = generation._gumbel_max
     monkeypatch.setattr(generation, "_gumbel_max", recording_gumbel_max)
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=8, temperature=0.8, seed=0)
+    config = DiffusionGenerationConfig(
+        max_completion_length=16, block_length=8, diffusion_steps=8, temperature=0.8, seed=0
+    )
     generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     vocab = len(tiny_tokenizer)
     # Three rows, each with 8, 6, 4, 2 masked positions left in its block (2 committed per step).
@@ -421,7 +427,7 @@ def test_recorded_history_matches_canvas_at(sharp_llama, tiny_tokenizer, chat_pr
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
     record_steps = (0, 2, 5, 9, 100)
     config = DiffusionGenerationConfig(
-        gen_length=16, block_length=8, threshold=0.3, early_stop=True, record_steps=record_steps
+        max_completion_length=16, block_length=8, threshold=0.3, early_stop=True, record_steps=record_steps
     )
     output = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     assert len(output.history) == len(record_steps)
@@ -441,10 +447,13 @@ def test_recorded_history_matches_canvas_at(sharp_llama, tiny_tokenizer, chat_pr
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"gen_length": 20, "block_length": 8}, "multiple of `block_length`"),
-        ({"gen_length": 32, "block_length": 8, "steps": 10}, "multiple of the number of blocks"),
-        ({"gen_length": 32, "block_length": 8, "steps": 2}, "at least the number of blocks"),
-        ({"gen_length": 32, "block_length": 8, "steps": 64}, "must not exceed `gen_length`"),
+        ({"max_completion_length": 20, "block_length": 8}, "multiple of `block_length`"),
+        ({"max_completion_length": 32, "block_length": 8, "diffusion_steps": 10}, "multiple of the number of blocks"),
+        ({"max_completion_length": 32, "block_length": 8, "diffusion_steps": 2}, "at least the number of blocks"),
+        (
+            {"max_completion_length": 32, "block_length": 8, "diffusion_steps": 64},
+            "must not exceed `max_completion_length`",
+        ),
         ({"remasking": "lowest_confidence"}, "Unknown `remasking`"),
         ({"schedule": "exponential"}, "Unknown `schedule`"),
         ({"temperature": -0.1}, "`temperature`"),
@@ -460,7 +469,7 @@ def test_invalid_config_raises(settings, message):
 
 def test_invalid_inputs_raise(tiny_llama, tiny_llama_adapter, chat_prompts):
     input_ids, attention_mask = chat_prompts["input_ids"], chat_prompts["attention_mask"]
-    config = DiffusionGenerationConfig(gen_length=16, block_length=8)
+    config = DiffusionGenerationConfig(max_completion_length=16, block_length=8)
     short_context = dataclasses.replace(tiny_llama_adapter, context_length=input_ids.shape[1] + 8)
     with pytest.raises(ValueError, match="longer than the model's context"):
         generate(tiny_llama, input_ids, attention_mask, generation_config=config, adapter=short_context)

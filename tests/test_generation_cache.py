@@ -183,7 +183,9 @@ def test_greedy_cached_batch_equals_each_prompt_alone(sharp_model, chat_prompts,
     """Under `threshold` and `early_stop` the rows reach their blocks at different steps and leave the batch at
     different steps, so cached steps split into a refreshing pass and a cached pass over the other cache rows."""
     model, adapter = sharp_model
-    config = DiffusionGenerationConfig(gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, cache=cache, **settings)
+    config = DiffusionGenerationConfig(
+        max_completion_length=GEN_LENGTH, block_length=BLOCK_LENGTH, generation_cache=cache, **settings
+    )
     batch = generate(model, **chat_prompts, generation_config=config, adapter=adapter)
     assert torch.equal(batch.completion_ids, decode_each_alone(model, adapter, chat_prompts, config))
     assert not (batch.completion_ids == adapter.mask_token_id).any()
@@ -195,8 +197,14 @@ def test_greedy_cached_batch_equals_each_prompt_alone(sharp_model, chat_prompts,
 def test_one_step_per_block_equals_uncached_decoding(sharp_model, chat_prompts, cache):
     """Every step is then a block's first, a full pass: the cache is filled but never read."""
     model, adapter = sharp_model
-    settings = {"gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "steps": GEN_LENGTH // BLOCK_LENGTH}
-    cached = generate(model, **chat_prompts, generation_config=DiffusionGenerationConfig(cache=cache, **settings))
+    settings = {
+        "max_completion_length": GEN_LENGTH,
+        "block_length": BLOCK_LENGTH,
+        "diffusion_steps": GEN_LENGTH // BLOCK_LENGTH,
+    }
+    cached = generate(
+        model, **chat_prompts, generation_config=DiffusionGenerationConfig(generation_cache=cache, **settings)
+    )
     uncached = generate(model, **chat_prompts, generation_config=DiffusionGenerationConfig(**settings))
     assert torch.equal(cached.completion_ids, uncached.completion_ids)
 
@@ -206,8 +214,8 @@ def test_first_step_of_each_block_is_the_uncached_forward(sharp_model, chat_prom
     logits are exactly the uncached forward's; the first block's commits agree with uncached decoding."""
     model, adapter = sharp_model
     recording = CountingModel(model, keep_outputs=True)
-    settings = {"gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "steps": 12}
-    cached_config = DiffusionGenerationConfig(cache="prefix", record_steps=[0, 4, 8], **settings)
+    settings = {"max_completion_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "diffusion_steps": 12}
+    cached_config = DiffusionGenerationConfig(generation_cache="prefix", record_steps=[0, 4, 8], **settings)
     cached = generate(recording, **chat_prompts, generation_config=cached_config, adapter=adapter)
     uncached = generate(model, **chat_prompts, generation_config=DiffusionGenerationConfig(**settings))
     assert torch.equal(cached.commit_step == 0, uncached.commit_step == 0)
@@ -236,7 +244,10 @@ def test_tokens_fed_per_step(sharp_model, chat_prompts, cache):
     counting = CountingModel(model)
     steps_per_block = 4
     config = DiffusionGenerationConfig(
-        gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=3 * steps_per_block, cache=cache
+        max_completion_length=GEN_LENGTH,
+        block_length=BLOCK_LENGTH,
+        diffusion_steps=3 * steps_per_block,
+        generation_cache=cache,
     )
     generate(counting, **chat_prompts, generation_config=config, adapter=adapter)
     prompt_length = chat_prompts["input_ids"].shape[1]
@@ -255,13 +266,13 @@ def test_cached_threshold_decoding_feeds_fewer_tokens(tiny_llada, tiny_tokenizer
     adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
     fed, steps = {}, {}
     for name, settings in {
-        "uncached": {"steps": GEN_LENGTH},
-        "prefix": {"steps": GEN_LENGTH, "cache": "prefix"},
-        "prefix+threshold": {"threshold": 0.3, "cache": "prefix"},
-        "dual+threshold": {"threshold": 0.3, "cache": "dual"},
+        "uncached": {"diffusion_steps": GEN_LENGTH},
+        "prefix": {"diffusion_steps": GEN_LENGTH, "generation_cache": "prefix"},
+        "prefix+threshold": {"threshold": 0.3, "generation_cache": "prefix"},
+        "dual+threshold": {"threshold": 0.3, "generation_cache": "dual"},
     }.items():
         counting = CountingModel(model)
-        config = DiffusionGenerationConfig(gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, **settings)
+        config = DiffusionGenerationConfig(max_completion_length=GEN_LENGTH, block_length=BLOCK_LENGTH, **settings)
         output = generate(counting, **chat_prompts, generation_config=config, adapter=adapter)
         fed[name], steps[name] = counting.tokens(), output.steps_per_row.sum().item()
     assert steps["prefix+threshold"] < steps["prefix"] == steps["uncached"]
@@ -272,13 +283,15 @@ def test_cached_threshold_decoding_feeds_fewer_tokens(tiny_llada, tiny_tokenizer
 
 # ---------------------------------------------------------------------------------------------------- validation
 def test_cache_config_validation():
-    with pytest.raises(ValueError, match="Unknown `cache`"):
-        DiffusionGenerationConfig(cache="full")
-    with pytest.raises(ValueError, match="use `cache='prefix'`"):
-        DiffusionGenerationConfig(gen_length=32, block_length=32, cache="dual")
+    with pytest.raises(ValueError, match="Unknown `generation_cache`"):
+        DiffusionGenerationConfig(generation_cache="full")
+    with pytest.raises(ValueError, match="use `generation_cache='prefix'`"):
+        DiffusionGenerationConfig(max_completion_length=32, block_length=32, generation_cache="dual")
     with pytest.raises(ValueError, match="stop_patience"):
-        DiffusionGenerationConfig(gen_length=32, block_length=8, cache="dual", stop_patience=2)
-    DiffusionGenerationConfig(gen_length=32, block_length=32, cache="prefix", stop_patience=2, cfg_scale=1.0)
+        DiffusionGenerationConfig(max_completion_length=32, block_length=8, generation_cache="dual", stop_patience=2)
+    DiffusionGenerationConfig(
+        max_completion_length=32, block_length=32, generation_cache="prefix", stop_patience=2, cfg_scale=1.0
+    )
 
 
 class FlatLogitsModel(torch.nn.Module):
@@ -302,6 +315,6 @@ def test_cache_refused_for_models_that_cannot_use_it(model, cache_argument, mess
     adapter = DiffusionAdapter(
         mask_token_id=1, shift_logits=False, terminator_ids=(2,), pad_token_id=0, cache_argument=cache_argument
     )
-    config = DiffusionGenerationConfig(gen_length=4, block_length=2, cache="prefix")
+    config = DiffusionGenerationConfig(max_completion_length=4, block_length=2, generation_cache="prefix")
     with pytest.raises(ValueError, match=message):
         generate(model, torch.tensor([[5]]), generation_config=config, adapter=adapter)

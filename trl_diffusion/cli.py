@@ -160,9 +160,10 @@ class EvalArguments:
             Allow custom model code from the Hub (native LLaDA and Dream need none).
         use_cpu (`bool`, *optional*, defaults to `False`):
             Run on the CPU even when an accelerator is available.
-        gen_length, block_length (`int`, *optional*):
+        max_completion_length, block_length (`int`, *optional*):
             Completion canvas and block lengths (default: the task's suggestion).
-        steps, temperature, remasking, schedule, threshold, cfg_scale, early_stop, defer_terminators, stop_patience:
+        diffusion_steps, temperature, remasking, schedule, threshold, cfg_scale, early_stop, defer_terminators,
+        stop_patience:
             The other [`~trl_diffusion.DiffusionGenerationConfig`] fields (greedy, fixed schedule by default).
     """
 
@@ -181,13 +182,15 @@ class EvalArguments:
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
     use_cpu: bool = field(default=False, metadata={"help": "Run on the CPU even when a GPU is available."})
-    gen_length: int | None = field(
+    max_completion_length: int | None = field(
         default=None, metadata={"help": "Completion canvas length (default: the task's suggestion)."}
     )
     block_length: int | None = field(
         default=None, metadata={"help": "Semi-autoregressive block length (default: the task's suggestion)."}
     )
-    steps: int | None = field(default=None, metadata={"help": "Denoising steps (default: gen_length // 2)."})
+    diffusion_steps: int | None = field(
+        default=None, metadata={"help": "Denoising steps (default: max_completion_length // 2)."}
+    )
     temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
     remasking: str = field(
         default="low_confidence",
@@ -540,9 +543,9 @@ def train(command: str, script_args: DiffusionScriptArguments, training_args, mo
         sampler = {
             name: value
             for name, value in (
-                ("gen_length", script_args.eval_max_completion_length),
+                ("max_completion_length", script_args.eval_max_completion_length),
                 ("block_length", script_args.eval_block_length),
-                ("steps", script_args.eval_diffusion_steps),
+                ("diffusion_steps", script_args.eval_diffusion_steps),
             )
             if value is not None
         }
@@ -661,7 +664,7 @@ def run_eval(argv: list[str]) -> int:
     sampler = {
         name: getattr(args, name)
         for name in (
-            "steps",
+            "diffusion_steps",
             "temperature",
             "remasking",
             "schedule",
@@ -672,7 +675,7 @@ def run_eval(argv: list[str]) -> int:
             "stop_patience",
         )
     }
-    for name in ("gen_length", "block_length"):
+    for name in ("max_completion_length", "block_length"):
         if getattr(args, name) is not None:
             sampler[name] = getattr(args, name)
     generation_config = task_generation_config(task, **sampler)

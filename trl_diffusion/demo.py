@@ -138,10 +138,14 @@ def logs_to_file(path: Path):
 
 
 def build_and_sft(
-    output_dir: Path, seed: int = 0, sft_steps: int = 600, completion_length: int | None = None, verbose: bool = True
+    output_dir: Path,
+    seed: int = 0,
+    sft_steps: int = 600,
+    max_completion_length: int | None = None,
+    verbose: bool = True,
 ):
     """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `largest_digit` with
-    [`sft_dataset`]'s answers, on a canvas of `completion_length` tokens (default: the task's 4, end-of-turn after
+    [`sft_dataset`]'s answers, on a canvas of `max_completion_length` tokens (default: the task's 4, end-of-turn after
     the digit); saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train rows, SFT
     model directory)`; `benchmarks/learning.py` starts every trainer from that directory and
     `benchmarks/throughput.py` measures the sampler on an SFT model with a longer canvas. With `verbose`, a progress
@@ -162,7 +166,7 @@ def build_and_sft(
         per_device_train_batch_size=64,
         learning_rate=3e-3,
         lr_scheduler_type="constant",
-        completion_length=completion_length or task.max_completion_length,
+        max_completion_length=max_completion_length or task.max_completion_length,
         logging_steps=100,
         gradient_checkpointing=False,
         disable_tqdm=True,
@@ -188,7 +192,9 @@ def build_and_sft(
 def greedy_config(task) -> DiffusionGenerationConfig:
     """The held-out evaluation's decoding: greedy, one token per step, the task's canvas and blocks."""
     return DiffusionGenerationConfig(
-        gen_length=task.max_completion_length, block_length=task.block_length, steps=task.max_completion_length
+        max_completion_length=task.max_completion_length,
+        block_length=task.block_length,
+        diffusion_steps=task.max_completion_length,
     )
 
 
@@ -284,7 +290,8 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
     sft, tokenizer, train_rows, sft_dir = build_and_sft(output_dir, seed=args.seed, sft_steps=args.sft_steps)
     largest = SFT_LARGEST_FRACTION
     print(
-        f"[2/5] SFT: {args.sft_steps} steps (answers: {1 - largest:.0%} the smallest digit, {largest:.0%} the largest): {sft_dir}"
+        f"[2/5] SFT: {args.sft_steps} steps (answers: {1 - largest:.0%} the smallest digit, {largest:.0%} the "
+        f"largest): {sft_dir}"
     )
     greedy = greedy_config(task)
 

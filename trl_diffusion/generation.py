@@ -2,12 +2,12 @@
 remasking strategies, classifier-free guidance, Fast-dLLM's confidence-threshold parallel decoding and key/value
 caches, and early stopping at a terminator).
 
-The canvas is `[prompt (left-padded) | gen_length mask tokens]`. The completion is decoded block by block, left to
-right. Every step runs the model once, proposes a token `x0` for each masked position of the current block (argmax,
-or Gumbel-max at `temperature`), scores each proposal with a confidence, and commits the most confident ones: as
-many as the schedule says, or, with `threshold`, every proposal at least that confident. With a cache, only the
-first step of a block runs the whole canvas; the block's other steps recompute the block (and, for the prefix cache,
-everything after it) against keys and values cached at the block's first step.
+The canvas is `[prompt (left-padded) | max_completion_length mask tokens]`. The completion is decoded block by block,
+left to right. Every step runs the model once, proposes a token `x0` for each masked position of the current block
+(argmax, or Gumbel-max at `temperature`), scores each proposal with a confidence, and commits the most confident ones:
+as many as the schedule says, or, with `threshold`, every proposal at least that confident. With a cache
+(`generation_cache`), only the first step of a block runs the whole canvas; the block's other steps recompute the block
+(and, for the prefix cache, everything after it) against keys and values cached at the block's first step.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .models.adapter import CanvasCache, DiffusionAdapter
+from .utils.deprecation import renamed_fields
 
 SCHEDULES = ("linear", "cosine")
 REMASKING_STRATEGIES = ("low_confidence", "random", "entropy", "margin")
@@ -30,20 +31,22 @@ CACHE_MODES = ("none", "prefix", "dual")
 GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
 
 
+@renamed_fields({"gen_length": "max_completion_length", "steps": "diffusion_steps", "cache": "generation_cache"})
 @dataclass
 class DiffusionGenerationConfig:
     """How [`generate`] denoises a completion.
 
     Args:
-        gen_length (`int`, defaults to `128`):
+        max_completion_length (`int`, defaults to `128`):
             Length `L` of the completion canvas: the number of mask tokens appended to each prompt.
         block_length (`int`, defaults to `32`):
-            Length of the semi-autoregressive blocks, decoded left to right. `gen_length` must be a multiple of it;
-            `block_length = gen_length` is pure (non-autoregressive) diffusion.
-        steps (`int`, *optional*):
+            Length of the semi-autoregressive blocks, decoded left to right. `max_completion_length` must be a
+            multiple of it; `block_length = max_completion_length` is pure (non-autoregressive) diffusion.
+        diffusion_steps (`int`, *optional*):
             Denoising steps (forward passes) for the whole completion, shared evenly by the blocks. Defaults to
-            `gen_length // 2` rounded down to a multiple of the number of blocks; with `threshold`, to `gen_length`.
-            With `threshold` it is an upper bound: confident steps commit more tokens and blocks finish sooner.
+            `max_completion_length // 2` rounded down to a multiple of the number of blocks; with `threshold`, to
+            `max_completion_length`. With `threshold` it is an upper bound: confident steps commit more tokens and
+            blocks finish sooner.
         schedule (`str`, defaults to `"linear"`):
             How many tokens each step of a block commits. `"linear"`: LLaDA's even split of the block's masked
             count over its steps, the remainder going to the first steps. `"cosine"`: MaskGIT's schedule, the
@@ -76,7 +79,7 @@ class DiffusionGenerationConfig:
         defer_terminators (`bool`, defaults to `False`):
             Give proposals that are terminators the lowest confidence, so that they are committed only when the
             schedule runs out of other positions (LLaDA 1.5's `confidence_eos_eot_inf`).
-        cache (`str`, defaults to `"none"`):
+        generation_cache (`str`, defaults to `"none"`):
             Key/value caching of the denoising steps (Fast-dLLM). `"none"`: every step runs the whole canvas.
             `"prefix"`: the first step of a block runs the whole canvas and caches it; the block's other steps feed
             only the block and everything after it, reading the keys and values of the positions before the block
@@ -89,16 +92,18 @@ class DiffusionGenerationConfig:
             Seed of the private generator used when [`generate`] receives none. The global RNG is never used.
     """
 
-    gen_length: int = field(default=128, metadata={"help": "Length of the completion canvas (mask tokens appended)."})
-    block_length: int = field(
-        default=32, metadata={"help": "Length of the semi-autoregressive blocks; must divide `gen_length`."}
+    max_completion_length: int = field(
+        default=128, metadata={"help": "Length of the completion canvas (mask tokens appended)."}
     )
-    steps: int | None = field(
+    block_length: int = field(
+        default=32, metadata={"help": "Length of the semi-autoregressive blocks; must divide `max_completion_length`."}
+    )
+    diffusion_steps: int | None = field(
         default=None,
         metadata={
             "help": "Denoising steps for the whole completion, split evenly over the blocks. Default: "
-            "`gen_length // 2` (a multiple of the number of blocks), or `gen_length` with `threshold` (an upper "
-            "bound then)."
+            "`max_completion_length // 2` (a multiple of the number of blocks), or `max_completion_length` with "
+            "`threshold` (an upper bound then)."
         },
     )
     schedule: str = field(
@@ -153,7 +158,7 @@ class DiffusionGenerationConfig:
             "`confidence_eos_eot_inf`)."
         },
     )
-    cache: str = field(
+    generation_cache: str = field(
         default="none",
         metadata={
             "help": "Key/value caching of the denoising steps (Fast-dLLM): `none`, `prefix` (a block's later steps "
@@ -166,9 +171,9 @@ class DiffusionGenerationConfig:
     )
 
     def __post_init__(self):
-        for name in ("gen_length", "block_length", "steps"):
+        for name in ("max_completion_length", "block_length", "diffusion_steps"):
             value = getattr(self, name)
-            # A float length (`gen_length=128.0`, e.g. from arithmetic) would only fail deep inside torch.
+            # A float length (`max_completion_length=128.0`, e.g. from arithmetic) would only fail deep inside torch.
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(
                     f"`{name}` must be an integer, got {value!r} ({type(value).__name__}): pass int({value!r})."
@@ -176,32 +181,37 @@ class DiffusionGenerationConfig:
         for name in ("temperature", "cfg_scale"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"`{name}` must be a finite number, got {getattr(self, name)}.")
-        if self.gen_length < 1 or self.block_length < 1:
+        if self.max_completion_length < 1 or self.block_length < 1:
             raise ValueError(
-                f"`gen_length` ({self.gen_length}) and `block_length` ({self.block_length}) must be positive."
+                f"`max_completion_length` ({self.max_completion_length}) and `block_length` ({self.block_length}) "
+                "must be positive."
             )
-        if self.gen_length % self.block_length != 0:
+        if self.max_completion_length % self.block_length != 0:
             raise ValueError(
-                f"`gen_length` ({self.gen_length}) must be a multiple of `block_length` ({self.block_length}): set "
-                f"`block_length` to a divisor of it (e.g. {math.gcd(self.gen_length, self.block_length)}), or "
-                "`block_length = gen_length` for pure diffusion."
+                f"`max_completion_length` ({self.max_completion_length}) must be a multiple of `block_length` "
+                f"({self.block_length}): set `block_length` to a divisor of it (e.g. "
+                f"{math.gcd(self.max_completion_length, self.block_length)}), or "
+                "`block_length = max_completion_length` for pure diffusion."
             )
-        if self.steps is not None:
-            if self.steps < self.num_blocks:
+        if self.diffusion_steps is not None:
+            if self.diffusion_steps < self.num_blocks:
                 raise ValueError(
-                    f"`steps` ({self.steps}) must be at least the number of blocks ({self.num_blocks} = gen_length "
-                    f"{self.gen_length} / block_length {self.block_length}): every block takes at least one step."
+                    f"`diffusion_steps` ({self.diffusion_steps}) must be at least the number of blocks "
+                    f"({self.num_blocks} = max_completion_length {self.max_completion_length} / block_length "
+                    f"{self.block_length}): every block takes at least one step."
                 )
-            if self.steps % self.num_blocks != 0:
+            if self.diffusion_steps % self.num_blocks != 0:
                 raise ValueError(
-                    f"`steps` ({self.steps}) must be a multiple of the number of blocks ({self.num_blocks} = "
-                    f"gen_length {self.gen_length} / block_length {self.block_length}), so that every block gets the "
-                    f"same number of steps (LLaDA's rule): use e.g. steps={self.steps // self.num_blocks * self.num_blocks}."
+                    f"`diffusion_steps` ({self.diffusion_steps}) must be a multiple of the number of blocks "
+                    f"({self.num_blocks} = max_completion_length {self.max_completion_length} / block_length "
+                    f"{self.block_length}), so that every block gets the same number of steps (LLaDA's rule): use "
+                    f"e.g. diffusion_steps={self.diffusion_steps // self.num_blocks * self.num_blocks}."
                 )
-            if self.steps > self.gen_length:
+            if self.diffusion_steps > self.max_completion_length:
                 raise ValueError(
-                    f"`steps` ({self.steps}) must not exceed `gen_length` ({self.gen_length}): a step commits at "
-                    "least one token, so more steps than tokens only adds forward passes."
+                    f"`diffusion_steps` ({self.diffusion_steps}) must not exceed `max_completion_length` "
+                    f"({self.max_completion_length}): a step commits at least one token, so more steps than tokens "
+                    "only adds forward passes."
                 )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Unknown `schedule` {self.schedule!r}: choose one of {SCHEDULES}.")
@@ -224,17 +234,18 @@ class DiffusionGenerationConfig:
                 )
         if self.stop_patience is not None and self.stop_patience < 1:
             raise ValueError(f"`stop_patience` must be at least 1 (or None to turn it off), got {self.stop_patience}.")
-        if self.cache not in CACHE_MODES:
-            raise ValueError(f"Unknown `cache` {self.cache!r}: choose one of {CACHE_MODES}.")
-        if self.cache == "dual" and self.num_blocks == 1:
+        if self.generation_cache not in CACHE_MODES:
+            raise ValueError(f"Unknown `generation_cache` {self.generation_cache!r}: choose one of {CACHE_MODES}.")
+        if self.generation_cache == "dual" and self.num_blocks == 1:
             raise ValueError(
-                "`cache='dual'` caches the positions after the current block, and with `block_length = gen_length` "
-                f"({self.gen_length}) there are none: use `cache='prefix'`, or a smaller `block_length`."
+                "`generation_cache='dual'` caches the positions after the current block, and with "
+                f"`block_length = max_completion_length` ({self.max_completion_length}) there are none: use "
+                "`generation_cache='prefix'`, or a smaller `block_length`."
             )
-        if self.cache == "dual" and self.stop_patience is not None:
+        if self.generation_cache == "dual" and self.stop_patience is not None:
             raise ValueError(
-                "`stop_patience` compares the predictions of the whole completion, and `cache='dual'` computes none "
-                "after the current block: use `cache='prefix'` with `stop_patience`."
+                "`stop_patience` compares the predictions of the whole completion, and `generation_cache='dual'` "
+                "computes none after the current block: use `generation_cache='prefix'` with `stop_patience`."
             )
         if self.record_steps is not None:
             self.record_steps = [int(step) for step in self.record_steps]
@@ -243,16 +254,16 @@ class DiffusionGenerationConfig:
 
     @property
     def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
+        return self.max_completion_length // self.block_length
 
     @property
     def num_steps(self) -> int:
-        """The resolved `steps`: at most this many forward passes decode a completion."""
-        if self.steps is not None:
-            return self.steps
+        """The resolved `diffusion_steps`: at most this many forward passes decode a completion."""
+        if self.diffusion_steps is not None:
+            return self.diffusion_steps
         if self.threshold is not None:
-            return self.gen_length
-        return max(self.num_blocks, self.gen_length // 2 // self.num_blocks * self.num_blocks)
+            return self.max_completion_length
+        return max(self.num_blocks, self.max_completion_length // 2 // self.num_blocks * self.num_blocks)
 
     @property
     def steps_per_block(self) -> int:
@@ -264,12 +275,12 @@ class DiffusionGenerationOutput:
     """What [`generate`] returns.
 
     Args:
-        sequences (`torch.LongTensor` of shape `(batch, prompt_length + gen_length)`):
+        sequences (`torch.LongTensor` of shape `(batch, prompt_length + max_completion_length)`):
             The left-padded prompts followed by the completions.
-        completion_ids (`torch.LongTensor` of shape `(batch, gen_length)`):
+        completion_ids (`torch.LongTensor` of shape `(batch, max_completion_length)`):
             The full completion canvas as the sampler left it (EOS-filled behind the terminator after an early stop).
             Cut it with [`cut_at_terminator`] before handing text to rewards.
-        commit_step (`torch.LongTensor` of shape `(batch, gen_length)`):
+        commit_step (`torch.LongTensor` of shape `(batch, max_completion_length)`):
             The step at which each completion position was committed (EOS fill counts as committed at the step the
             row stopped). [`DiffusionGenerationOutput.canvas_at`] rebuilds any intermediate canvas from it.
         steps_per_row (`torch.LongTensor` of shape `(batch,)`):
@@ -279,11 +290,12 @@ class DiffusionGenerationOutput:
             are at different points of their blocks (under `threshold` or `early_stop`) makes two: a full pass for
             the rows entering a block and a cached pass for the others.
         tokens_per_forward (`float`):
-            Completion tokens committed per forward pass, `gen_length / steps_per_row` averaged over the rows.
+            Completion tokens committed per forward pass, `max_completion_length / steps_per_row` averaged over the
+            rows.
         mask_token_id (`int`):
             The mask token, to rebuild intermediate canvases.
         history (`list[torch.LongTensor]`, *optional*):
-            The canvases (shape `(batch, prompt_length + gen_length)`) at the configured `record_steps`.
+            The canvases (shape `(batch, prompt_length + max_completion_length)`) at the configured `record_steps`.
     """
 
     sequences: torch.LongTensor
@@ -303,7 +315,7 @@ class DiffusionGenerationOutput:
                 One step for all rows, or one per row (e.g. states drawn along each row's own trajectory).
 
         Returns:
-            `torch.LongTensor` of shape `(batch, prompt_length + gen_length)`.
+            `torch.LongTensor` of shape `(batch, prompt_length + max_completion_length)`.
         """
         step = torch.as_tensor(step, device=self.commit_step.device).reshape(-1, 1)
         prompt_length = self.sequences.shape[1] - self.completion_ids.shape[1]
@@ -408,12 +420,14 @@ class _CachedForward:
         """Logits of one step for `active_rows`; `refresh` marks the rows entering a block, `block_start` gives each
         row's block (as a canvas position)."""
         config, adapter, guided = self.config, self.adapter, self.config.cfg_scale > 0
-        gen_length = config.gen_length
+        max_completion_length = config.max_completion_length
         ids = torch.cat([active_rows, active_rows + self.batch_size]) if guided else active_rows
         if refresh.all():
             self.cache = None  # free the old cache before the new one fills
             cache = CanvasCache()
-            logits = adapter.logits(self.model, *self.model_inputs(active_rows), num_logits=gen_length, cache=cache)
+            logits = adapter.logits(
+                self.model, *self.model_inputs(active_rows), num_logits=max_completion_length, cache=cache
+            )
             self.cache, self.cache_ids = cache, ids
             return [_Logits(logits)]
         if not torch.equal(self.cache_ids, ids):
@@ -431,13 +445,17 @@ class _CachedForward:
             logits = adapter.logits(
                 self.model,
                 *self.model_inputs(active_rows[refreshed]),
-                num_logits=gen_length,
+                num_logits=max_completion_length,
                 cache=self.cache,
                 cache_rows=cache_rows(refreshed),
             )
             pieces.append(_Logits(logits, rows=refreshed))
         start = block_start[cached]
-        end = start + config.block_length if config.cache == "dual" else torch.full_like(start, self.canvas_length)
+        end = (
+            start + config.block_length
+            if config.generation_cache == "dual"
+            else torch.full_like(start, self.canvas_length)
+        )
         if guided:
             start, end = start.repeat(2), end.repeat(2)
         logits = adapter.cached_logits(
@@ -448,7 +466,7 @@ class _CachedForward:
             end,
             cache_rows=cache_rows(cached) if len(refreshed) > 0 else None,
         )
-        prompt_length = self.canvas_length - gen_length
+        prompt_length = self.canvas_length - max_completion_length
         pieces.append(_Logits(logits, start=int(start.min()) - prompt_length, rows=cached if pieces else None))
         return pieces
 
@@ -517,18 +535,20 @@ def _check_inputs(
         raise ValueError(f"`input_ids` must have shape (batch, prompt_length), got {tuple(input_ids.shape)}.")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"`attention_mask` {tuple(attention_mask.shape)} must have the shape of `input_ids` {tuple(input_ids.shape)}."
+            f"`attention_mask` {tuple(attention_mask.shape)} must have the shape of `input_ids` "
+            f"{tuple(input_ids.shape)}."
         )
     if input_ids.shape[1] > 1 and (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
         raise ValueError(
             "Prompts must be left-padded (the completion follows the last prompt token): tokenize with "
             "`tokenizer.padding_side = 'left'`."
         )
-    canvas_length = input_ids.shape[1] + config.gen_length
+    canvas_length = input_ids.shape[1] + config.max_completion_length
     if adapter.context_length is not None and canvas_length > adapter.context_length:
         raise ValueError(
-            f"The canvas is longer than the model's context: prompt length {input_ids.shape[1]} + gen_length "
-            f"{config.gen_length} = {canvas_length} > {adapter.context_length}. Shorten the prompts or `gen_length`."
+            f"The canvas is longer than the model's context: prompt length {input_ids.shape[1]} + "
+            f"max_completion_length {config.max_completion_length} = {canvas_length} > {adapter.context_length}. "
+            "Shorten the prompts or `max_completion_length`."
         )
     if adapter.pad_token_id is not None and adapter.pad_token_id == adapter.mask_token_id:
         raise ValueError(
@@ -540,19 +560,20 @@ def _check_inputs(
         outside = real_ids[(real_ids < 0) | (real_ids >= vocab_size)]
         if outside.numel():
             raise ValueError(
-                f"A prompt holds token id {outside[0].item()}, outside the model's vocabulary (ids 0..{vocab_size - 1}): "
-                "the prompts were tokenized with another tokenizer than the model's. Pass the model's tokenizer."
+                f"A prompt holds token id {outside[0].item()}, outside the model's vocabulary "
+                f"(ids 0..{vocab_size - 1}): the prompts were tokenized with another tokenizer than the model's. Pass "
+                "the model's tokenizer."
             )
     if (input_ids[attention_mask.bool()] == adapter.mask_token_id).any():
         raise ValueError(
             f"A prompt contains the mask token (id {adapter.mask_token_id}); the sampler would overwrite it. Remove "
             "it from the prompts."
         )
-    if config.cache != "none":
+    if config.generation_cache != "none":
         if adapter.cache_argument is None:
             raise ValueError(
-                f"`cache={config.cache!r}` needs a model whose forward takes a transformers `Cache` (`cache` or "
-                "`past_key_values`), and this one takes neither: use `cache='none'`."
+                f"`generation_cache={config.generation_cache!r}` needs a model whose forward takes a transformers "
+                "`Cache` (`cache` or `past_key_values`), and this one takes neither: use `generation_cache='none'`."
             )
         if adapter.shift_logits and input_ids.shape[1] == 0:
             raise ValueError(
@@ -615,7 +636,7 @@ def generate(
 
     device = input_ids.device
     batch_size, prompt_length = input_ids.shape
-    gen_length, block_length = config.gen_length, config.block_length
+    max_completion_length, block_length = config.max_completion_length, config.block_length
     mask_token_id = adapter.mask_token_id
     needs_noise = config.temperature > 0 or config.remasking == "random"
     if generator is None and needs_noise:
@@ -625,9 +646,9 @@ def generate(
         else:
             generator.seed()
 
-    canvas = torch.cat([input_ids, input_ids.new_full((batch_size, gen_length), mask_token_id)], dim=1)
+    canvas = torch.cat([input_ids, input_ids.new_full((batch_size, max_completion_length), mask_token_id)], dim=1)
     completion = canvas[:, prompt_length:]  # a view: committing into it writes the canvas
-    canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch_size, gen_length))], dim=1)
+    canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch_size, max_completion_length))], dim=1)
     unconditional_prompt = input_ids.masked_fill(attention_mask.bool(), mask_token_id)
 
     def model_inputs(rows):
@@ -638,12 +659,12 @@ def generate(
         return model_input, model_attention
 
     cached_forward = None
-    if config.cache != "none":
+    if config.generation_cache != "none":
         cached_forward = _CachedForward(model, adapter, config, model_inputs, canvas.shape)
     terminator_ids = torch.tensor(adapter.terminator_ids, dtype=torch.long, device=device)
-    positions = torch.arange(gen_length, device=device)
+    positions = torch.arange(max_completion_length, device=device)
 
-    commit_step = torch.full((batch_size, gen_length), -1, dtype=torch.long, device=device)
+    commit_step = torch.full((batch_size, max_completion_length), -1, dtype=torch.long, device=device)
     steps_per_row = torch.zeros(batch_size, dtype=torch.long, device=device)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     block_index = torch.full((batch_size,), -1, dtype=torch.long, device=device)
@@ -662,7 +683,7 @@ def generate(
         masked = completion == mask_token_id
 
         # Each row decodes the first block that still has masks; rows may be in different blocks under `threshold`.
-        first_masked = torch.where(masked, positions, gen_length).min(dim=1).values
+        first_masked = torch.where(masked, positions, max_completion_length).min(dim=1).values
         current_block = first_masked // block_length
         entered_block = (current_block != block_index) & ~finished
         block_index = torch.where(entered_block, current_block, block_index)
@@ -676,7 +697,7 @@ def generate(
 
         active_rows = (~finished).nonzero().squeeze(1)
         if cached_forward is None:
-            logits = [_Logits(adapter.logits(model, *model_inputs(active_rows), num_logits=gen_length))]
+            logits = [_Logits(adapter.logits(model, *model_inputs(active_rows), num_logits=max_completion_length))]
         else:
             block_start = prompt_length + block_index[active_rows] * block_length
             logits = cached_forward(active_rows, entered_block[active_rows], block_start)
@@ -713,7 +734,7 @@ def generate(
             confidence = confidence.masked_fill(is_terminator, torch.finfo(confidence.dtype).min)
 
         # Outside the committable positions the confidence is -inf, so they are never chosen.
-        full_confidence = torch.full((batch_size, gen_length), -math.inf, device=device)
+        full_confidence = torch.full((batch_size, max_completion_length), -math.inf, device=device)
         full_confidence[committable] = confidence.float()
         proposals = completion.clone()
         proposals[committable] = candidates
@@ -732,7 +753,7 @@ def generate(
         still_masked = completion == mask_token_id
         done = ~still_masked.any(dim=1) & ~finished
         if config.early_stop:
-            first_masked = torch.where(still_masked, positions, gen_length).min(dim=1).values
+            first_masked = torch.where(still_masked, positions, max_completion_length).min(dim=1).values
             terminated = (torch.isin(completion, terminator_ids) & (positions < first_masked[:, None])).any(dim=1)
             stopped = terminated & ~done & ~finished
             fill = still_masked & stopped[:, None]
@@ -761,18 +782,20 @@ def generate(
         commit_step=commit_step,
         steps_per_row=steps_per_row,
         num_forward_passes=num_forward_passes,
-        tokens_per_forward=(gen_length / steps_per_row.double()).mean().item(),
+        tokens_per_forward=(max_completion_length / steps_per_row.double()).mean().item(),
         mask_token_id=mask_token_id,
         history=history,
     )
 
 
-def lfpo_inference_config(gen_length: int = 512, block_length: int = 32, **overrides) -> DiffusionGenerationConfig:
+def lfpo_inference_config(
+    max_completion_length: int = 512, block_length: int = 32, **overrides
+) -> DiffusionGenerationConfig:
     """LFPO's inference preset: the cosine schedule, confidence-threshold decoding at 0.99, and a stop once the
     whole predicted completion has been the same for 3 consecutive steps (the paper reports ~20% fewer steps).
 
     Args:
-        gen_length (`int`, defaults to `512`):
+        max_completion_length (`int`, defaults to `512`):
             Completion canvas length (the paper's generation length).
         block_length (`int`, defaults to `32`):
             Semi-autoregressive block length.
@@ -780,14 +803,16 @@ def lfpo_inference_config(gen_length: int = 512, block_length: int = 32, **overr
             Any other [`DiffusionGenerationConfig`] field, taking precedence over the preset.
     """
     preset = {"schedule": "cosine", "threshold": 0.99, "stop_patience": 3}
-    return DiffusionGenerationConfig(gen_length=gen_length, block_length=block_length, **{**preset, **overrides})
+    return DiffusionGenerationConfig(
+        max_completion_length=max_completion_length, block_length=block_length, **{**preset, **overrides}
+    )
 
 
 def completion_lengths(completion_ids: torch.LongTensor, terminator_ids: Sequence[int]) -> torch.LongTensor:
     """Length of each completion up to and including its first terminator (the full length when it has none).
 
     Args:
-        completion_ids (`torch.LongTensor` of shape `(batch, gen_length)`):
+        completion_ids (`torch.LongTensor` of shape `(batch, max_completion_length)`):
             Completions, e.g. [`DiffusionGenerationOutput.completion_ids`].
         terminator_ids (`Sequence[int]`):
             Ids that end a completion, e.g. `adapter.terminator_ids`.
@@ -795,18 +820,18 @@ def completion_lengths(completion_ids: torch.LongTensor, terminator_ids: Sequenc
     Returns:
         `torch.LongTensor` of shape `(batch,)`.
     """
-    gen_length = completion_ids.shape[1]
+    max_completion_length = completion_ids.shape[1]
     terminators = torch.tensor(list(terminator_ids), dtype=torch.long, device=completion_ids.device)
-    positions = torch.arange(1, gen_length + 1, device=completion_ids.device)
+    positions = torch.arange(1, max_completion_length + 1, device=completion_ids.device)
     is_terminator = torch.isin(completion_ids, terminators)
-    return torch.where(is_terminator, positions, gen_length).min(dim=1).values
+    return torch.where(is_terminator, positions, max_completion_length).min(dim=1).values
 
 
 def cut_at_terminator(completion_ids: torch.LongTensor, terminator_ids: Sequence[int]) -> list[list[int]]:
     """Cuts each completion after its first terminator (kept), as handed to reward functions.
 
     Args:
-        completion_ids (`torch.LongTensor` of shape `(batch, gen_length)`):
+        completion_ids (`torch.LongTensor` of shape `(batch, max_completion_length)`):
             Completions, e.g. [`DiffusionGenerationOutput.completion_ids`].
         terminator_ids (`Sequence[int]`):
             Ids that end a completion, e.g. `adapter.terminator_ids`.

@@ -7,9 +7,11 @@ from typing import ClassVar
 
 from trl import SFTConfig
 
+from ..utils.deprecation import renamed_fields
 from ..validation import choose_precision_defaults, choose_progress_defaults
 
 
+@renamed_fields({"completion_length": "max_completion_length"})
 @dataclass
 class DiffusionSFTConfig(SFTConfig):
     r"""
@@ -33,10 +35,10 @@ class DiffusionSFTConfig(SFTConfig):
 
     Parameters that control the canvas:
 
-        completion_length (`int`, *optional*):
+        max_completion_length (`int`, *optional*):
             Length L of the completion canvas: every completion is filled with EOS up to L tokens, the canvas length
-            the sampler will use (`gen_length`). A longer completion raises an error. `None` fills each batch up to
-            its longest completion (LLaDA's SFT: pad the answers of a batch with EOS).
+            the sampler will use (its `max_completion_length`). A longer completion raises an error. `None` fills each
+            batch up to its longest completion (LLaDA's SFT: pad the answers of a batch with EOS).
         max_prompt_length (`int`, *optional*):
             Prompts longer than this are truncated from the left (the end of a prompt, with the chat template's
             generation prompt, is what the completion follows). `None` keeps them whole.
@@ -64,7 +66,7 @@ class DiffusionSFTConfig(SFTConfig):
         default=1e-3,
         metadata={"help": "Smallest masking ratio: t ~ U(timestep_eps, 1), masked tokens weighted 1/t."},
     )
-    completion_length: int | None = field(
+    max_completion_length: int | None = field(
         default=None,
         metadata={
             "help": "Length of the completion canvas; completions are filled with EOS up to it and trained on the "
@@ -111,7 +113,7 @@ class DiffusionSFTConfig(SFTConfig):
         super().__post_init__()
         if not 0.0 < self.timestep_eps < 1.0:
             raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
-        for name in ("completion_length", "max_prompt_length", "max_length"):
+        for name in ("max_completion_length", "max_prompt_length", "max_length"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be a positive integer or None, got {value}.")

@@ -2,11 +2,11 @@
 
 Per completion y of a prompt x, with a masking ratio t ~ U(eps, 1) and each completion token masked with probability t,
 
-    loss(x, y) = (1 / L) * sum_{i masked} -log p_theta(y_i | x, y with the masked tokens replaced by the mask token) / t
+    loss(x, y) = (1 / L) * sum_{i masked} -log p_theta(y_i | x, y_t) / t
 
-where L is the length of the completion canvas (EOS fill included); the loss of a batch is the mean over its
-completions. Its expectation is the negative ELBO of y divided by L (up to the eps cut-off), the quantity the RL
-trainers of this package estimate.
+where y_t is y with the masked tokens replaced by the mask token and L is the length of the completion canvas (EOS
+fill included); the loss of a batch is the mean over its completions. Its expectation is the negative ELBO of y divided
+by L (up to the eps cut-off), the quantity the RL trainers of this package estimate.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _LENGTH_CHECK_BATCH_SIZE = 10_000
 
 
 def sample_completion_masks(
-    batch_size: int, completion_length: int, timestep_eps: float, generator: torch.Generator
+    batch_size: int, max_completion_length: int, timestep_eps: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.BoolTensor]:
     """Draws the forward process of the SFT loss: one masking ratio `t ~ U(timestep_eps, 1)` per completion and a
     Bernoulli(t) mask over its canvas.
@@ -46,7 +46,7 @@ def sample_completion_masks(
     Args:
         batch_size (`int`):
             Number of completions.
-        completion_length (`int`):
+        max_completion_length (`int`):
             Length L of the completion canvas.
         timestep_eps (`float`):
             Smallest masking ratio.
@@ -55,10 +55,10 @@ def sample_completion_masks(
 
     Returns:
         `tuple[torch.FloatTensor, torch.BoolTensor]`: the ratios, shape `(batch_size,)`, and the masks, shape
-        `(batch_size, completion_length)`, both on the CPU.
+        `(batch_size, max_completion_length)`, both on the CPU.
     """
     timesteps = timestep_eps + (1.0 - timestep_eps) * torch.rand(batch_size, generator=generator)
-    masked = torch.rand(batch_size, completion_length, generator=generator) < timesteps[:, None]
+    masked = torch.rand(batch_size, max_completion_length, generator=generator) < timesteps[:, None]
     return timesteps, masked
 
 
@@ -71,11 +71,11 @@ def _canvas_length_error(example: str, prompt_length: int, canvas: str, canvas_l
     )
 
 
-def _completion_too_long_error(example: str, length: int, completion_length: int) -> ValueError:
+def _completion_too_long_error(example: str, length: int, max_completion_length: int) -> ValueError:
     return ValueError(
         f"{example} has a completion of {length} tokens (terminator included), longer than "
-        f"`completion_length={completion_length}`. Raise `completion_length` or filter out long completions; they "
-        "are never truncated (that would drop their terminator)."
+        f"`max_completion_length={max_completion_length}`. Raise `max_completion_length` or filter out long "
+        "completions; they are never truncated (that would drop their terminator)."
     )
 
 
@@ -89,7 +89,7 @@ class DataCollatorForDiffusionSFT(DataCollatorMixin):
             Left padding of the prompts (attention 0, never masked or scored).
         eos_token_id (`int`):
             Fill of the completions up to the canvas length; the fill is part of the canvas and is trained on.
-        completion_length (`int`, *optional*):
+        max_completion_length (`int`, *optional*):
             Length L of the completion canvas. `None`: the longest completion of the batch.
         max_length (`int`, *optional*):
             Longest canvas (a row's prompt plus L) allowed; a longer one raises a `ValueError`.
@@ -104,7 +104,7 @@ class DataCollatorForDiffusionSFT(DataCollatorMixin):
 
     pad_token_id: int
     eos_token_id: int
-    completion_length: int | None = None
+    max_completion_length: int | None = None
     max_length: int | None = None
     pad_to_multiple_of: int | None = None
     return_tensors: str = "pt"
@@ -113,8 +113,10 @@ class DataCollatorForDiffusionSFT(DataCollatorMixin):
         prompts = [torch.tensor(example["prompt_ids"], dtype=torch.long) for example in examples]
         completions = [torch.tensor(example["completion_ids"], dtype=torch.long) for example in examples]
         longest = max(len(ids) for ids in completions)
-        length = self.completion_length if self.completion_length is not None else longest
-        canvas = "`completion_length`" if self.completion_length is not None else "the batch's completion canvas"
+        length = self.max_completion_length if self.max_completion_length is not None else longest
+        canvas = (
+            "`max_completion_length`" if self.max_completion_length is not None else "the batch's completion canvas"
+        )
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             if len(completion) > length:
                 raise _completion_too_long_error(f"Row {row} of a batch", len(completion), length)
@@ -181,7 +183,7 @@ class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
                                  "completion": [[{"role": "assistant", "content": "4"}]]})
     trainer = DiffusionSFTTrainer(
         model="GSAI-ML/LLaDA-8B-Instruct",
-        args=DiffusionSFTConfig(output_dir="llada-sft", completion_length=256),
+        args=DiffusionSFTConfig(output_dir="llada-sft", max_completion_length=256),
         train_dataset=dataset,
     )
     trainer.train()
@@ -263,7 +265,7 @@ class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
             self.data_collator = DataCollatorForDiffusionSFT(
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_id=self._tokenizer.eos_token_id,
-                completion_length=args.completion_length,
+                max_completion_length=args.max_completion_length,
                 max_length=self.max_canvas_length,
                 pad_to_multiple_of=args.pad_to_multiple_of,
             )
@@ -300,24 +302,24 @@ class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
         return dataset
 
     def _check_canvas_lengths(self, dataset, dataset_name: str) -> None:
-        """Raises for the first example whose completion exceeds `completion_length` or whose canvas exceeds the
+        """Raises for the first example whose completion exceeds `max_completion_length` or whose canvas exceeds the
         model's context. A streamed dataset is checked batch by batch by the collator instead."""
         if not isinstance(dataset, Dataset):
             return
-        completion_length = self.args.completion_length
-        canvas = "`completion_length`" if completion_length is not None else "completion"
+        max_completion_length = self.args.max_completion_length
+        canvas = "`max_completion_length`" if max_completion_length is not None else "completion"
         columns = dataset.select_columns(["prompt_ids", "completion_ids"]).with_format("arrow")
         offset = 0
         for batch in columns.iter(batch_size=_LENGTH_CHECK_BATCH_SIZE):
             prompt_lengths = pc.list_value_length(batch["prompt_ids"]).to_numpy()
             completion_lengths = pc.list_value_length(batch["completion_ids"]).to_numpy()
-            if completion_length is not None:
-                too_long = np.flatnonzero(completion_lengths > completion_length)
+            if max_completion_length is not None:
+                too_long = np.flatnonzero(completion_lengths > max_completion_length)
                 if too_long.size:
                     row = too_long[0]
                     example = f"Example {offset + row} of the {dataset_name} dataset"
-                    raise _completion_too_long_error(example, completion_lengths[row], completion_length)
-                completion_lengths = np.full_like(completion_lengths, completion_length)
+                    raise _completion_too_long_error(example, completion_lengths[row], max_completion_length)
+                completion_lengths = np.full_like(completion_lengths, max_completion_length)
             if self.max_canvas_length is not None:
                 too_long = np.flatnonzero(prompt_lengths + completion_lengths > self.max_canvas_length)
                 if too_long.size:
@@ -379,11 +381,11 @@ class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
             (`num_masked`, `num_correct`, `entropy`).
         """
         prompt_ids, prompt_mask, completion_ids = inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"]
-        batch_size, completion_length = completion_ids.shape
+        batch_size, max_completion_length = completion_ids.shape
         noisy_completion = completion_ids.masked_fill(masked, self.adapter.mask_token_id)
         canvas = torch.cat([prompt_ids, noisy_completion], dim=1)
         attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-        logits = self.adapter.logits(model, canvas, attention_mask, num_logits=completion_length)
+        logits = self.adapter.logits(model, canvas, attention_mask, num_logits=max_completion_length)
 
         # Only the masked positions go through the softmax: (num_masked, vocab) rather than (batch, L, vocab).
         masked_logits = logits[masked]
@@ -395,7 +397,7 @@ class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
         rows = torch.arange(batch_size, device=masked.device)[:, None].expand_as(masked)[masked]
         weighted_nll = -token_logps / timesteps.to(token_logps.dtype)[rows]
         # Every row's canvas holds L completion positions, EOS fill included: LLaDA divides by this answer length.
-        per_completion = token_logps.new_zeros(batch_size).index_add(0, rows, weighted_nll) / completion_length
+        per_completion = token_logps.new_zeros(batch_size).index_add(0, rows, weighted_nll) / max_completion_length
 
         with torch.no_grad():
             stats = {
