@@ -168,7 +168,7 @@ def generate_batch(job: dict) -> dict:
     rows = [dataset[index // rollout.num_generations] for index in range(rollout.rows)]
     batch = trainer._generate_and_score_completions(rows)
     batch["advantages"] = torch.tensor([(-1.0) ** row for row in range(rollout.rows)])
-    batch["mc_iteration"] = 0
+    batch["inner_iteration"] = 0
     batch = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
     torch.save(batch, job["batch_path"])
     return {"prompt_length": batch["prompt_ids"].shape[1], "completion_length": batch["completion_canvas"].shape[1]}

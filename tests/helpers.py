@@ -120,7 +120,7 @@ def rollout_batch(trainer, num_prompts: int = 2) -> dict:
 
 def select_rows(batch: dict, rows) -> dict:
     """The sub-batch of `rows` (indices, possibly repeated, or a slice): batch-first tensors indexed, the rest (such
-    as the scalar `mc_iteration`) kept."""
+    as the scalar `inner_iteration`) kept."""
     size = batch["completion_canvas"].shape[0]
     return {
         key: value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size else value

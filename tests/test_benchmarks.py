@@ -97,13 +97,15 @@ def test_throughput_smoke(tmp_path):
     assert len(payload["results"]) == 2 * len(payload["cache_modes"])
     for result in measured:
         assert result["tokens_per_second"] > 0 and result["forward_passes"] > 0
-        assert result["tokens_per_forward"] == pytest.approx(result["gen_length"] / result["forward_passes"])
+        assert result["tokens_per_forward"] == pytest.approx(
+            result["max_completion_length"] / result["forward_passes"]
+        )
         assert 0 <= result["agreement"] <= 1 and 0 <= result["accuracy"] <= 1
     baseline = next(result for result in measured if (result["decoding"], result["cache"]) == ("fixed", "none"))
     assert baseline["speedup"] == 1 and baseline["agreement"] == 1
     # Without --model-dir the CPU presets measure the demo's SFT model.
     assert payload["trained_on_task"] is True and payload["task"] == "largest_digit"
-    assert [best["gen_length"] for best in payload["cache_threshold_best"]] == [16]
+    assert [best["max_completion_length"] for best in payload["cache_threshold_best"]] == [16]
 
 
 def test_learning_smoke(tmp_path):

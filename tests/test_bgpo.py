@@ -84,7 +84,7 @@ def generate_batch(trainer, dataset, num_rows=4):
     """One rollout batch of `num_rows` rows (prompts repeated `num_generations` times), ready for the loss."""
     generations = trainer.args.num_generations
     rows = [dataset[index // generations] for index in range(num_rows)]
-    return {**trainer._generate_and_score_completions(rows), "mc_iteration": 0}
+    return {**trainer._generate_and_score_completions(rows), "inner_iteration": 0}
 
 
 def gradients(model):
@@ -197,7 +197,7 @@ def test_off_policy_bgpo_is_a_lower_bound_of_vrpo_per_completion(make_trainer, d
     vrpo = make_trainer(VRPOTrainer, **settings)
     batch = generate_batch(bgpo, dataset)
     assert bgpo.is_off_policy and batch["old_elbo_terms"].shape == (4, 2, num_mc_samples)
-    batch["mc_iteration"] = 1  # the second pass over the rollouts, with its own masks
+    batch["inner_iteration"] = 1  # the second pass over the rollouts, with its own masks
     advantages = torch.tensor([1.0, -1.0, 0.5, -2.0])
     batch["advantages"] = advantages
     perturb(bgpo.model, std=0.01, seed=0)
@@ -209,7 +209,7 @@ def test_off_policy_bgpo_is_a_lower_bound_of_vrpo_per_completion(make_trainer, d
         bgpo_objective = torch.stack([-bgpo._compute_loss(bgpo.model, row) for row in rows])
         bgpo._compute_loss(bgpo.model, batch)  # the whole batch: logs the bound metrics
         # The oracle, from the current and old terms under the same masks.
-        d = (bgpo._all_elbo_terms(bgpo.model, batch, 1) - batch["old_elbo_terms"][:, 1]).double() / COMPLETION_LENGTH
+        d = (bgpo.elbo_terms(bgpo.model, batch, 1) - batch["old_elbo_terms"][:, 1]).double() / COMPLETION_LENGTH
 
     advantages = advantages.double()
     unclipped_ratio = torch.where(advantages[:, None] >= 0, 1 + d, d.exp())

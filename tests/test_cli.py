@@ -49,7 +49,7 @@ TINY_TRAINING = [
     "--gradient_checkpointing", "false",
     "--disable_tqdm", "true",
 ]  # fmt: skip
-TINY_SAMPLER = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=8)
+TINY_SAMPLER = DiffusionGenerationConfig(max_completion_length=16, block_length=8, diffusion_steps=8)
 
 
 def parity_accuracy(completions, **kwargs):
@@ -148,7 +148,7 @@ def test_help_lists_every_field(command, capsys):
     ]
     assert help_text.index("--model_name_or_path") < help_text.index("--learning_rate")
     if command != "sft":
-        assert titles[2] == "diffusion sampler and ELBO estimator (DiffusionGRPOConfig):"
+        assert titles[2] == "diffusion sampler and rollouts (DiffusionRLConfig):"
         sampler = help_text[help_text.index(titles[2]) : help_text.index(titles[3])]
         assert all(f"--{name} " in sampler for name in ("max_completion_length", "block_length", "diffusion_steps"))
 
@@ -229,7 +229,7 @@ def test_bgpo_lora_in_process_then_eval_the_adapter(tiny_llada_dir, tmp_path, re
 
     results_path = tmp_path / "results.json"
     argv = ["eval", "--model", str(output_dir), "--task", "countdown", "--num_examples", "3", "--batch_size", "2"]
-    assert main([*argv, "--gen_length", "16", "--block_length", "8", "--output", str(results_path)]) == 0
+    assert main([*argv, "--max_completion_length", "16", "--block_length", "8", "--output", str(results_path)]) == 0
     results = json.loads(results_path.read_text())
     assert results["num_examples"] == 3 and results["accuracy"] == 0.0  # a random model solves no Countdown
     assert [record["index"] for record in results["records"]] == [0, 1, 2]
@@ -301,7 +301,7 @@ def test_eval_command_matches_evaluate_task(tiny_llada_dir, tmp_path, parity_tas
     assert from_cli["accuracy"] == direct["accuracy"]
     assert from_cli["mean_reward"] == pytest.approx(direct["mean_reward"])
     assert [r["completion"] for r in from_cli["records"]] == [r["completion"] for r in direct["records"]]
-    assert from_cli["generation_config"]["gen_length"] == 16  # the task's suggestion
+    assert from_cli["generation_config"]["max_completion_length"] == 16  # the task's suggestion
     # The reward adds the `offset` column to the completion length: columns reach the reward functions.
     assert [r["reward"] for r in direct["records"]] == [len(r["completion"]) + r["index"] for r in direct["records"]]
     assert direct["accuracy"] == sum(r["correct"] for r in direct["records"]) / 7

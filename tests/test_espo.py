@@ -36,7 +36,7 @@ def make_trainer(model, args, **kwargs):
 
 def rollout_batch(trainer, num_prompts=2):
     """One rollout batch built the way training builds it (sampler, rewards, advantages, stored terms)."""
-    return {**helpers.rollout_batch(trainer, num_prompts), "mc_iteration": 0}
+    return {**helpers.rollout_batch(trainer, num_prompts), "inner_iteration": 0}
 
 
 def assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-8):

@@ -15,12 +15,12 @@ import torch
 from transformers import TrainerCallback
 from trl import TrlParser
 
-import trl_diffusion.trainer.base as trainer_base
+import trl_diffusion.trainer.base_trainer as trainer_base
 from trl_diffusion.generation import DiffusionGenerationConfig, generate
 from trl_diffusion.likelihood import masked_token_logprobs
 from trl_diffusion.masking import completion_region
 from trl_diffusion.models import DiffusionAdapter
-from trl_diffusion.trainer import LFPOConfig, LFPOTrainer
+from trl_diffusion.trainer import DiffusionRLConfig, LFPOConfig, LFPOTrainer
 from trl_diffusion.trainer.lfpo_trainer import lfpo_state_masks
 from trl_diffusion.utils import SavedTensorsMeter
 
@@ -555,7 +555,7 @@ def trajectory(tiny_llada, tiny_tokenizer):
         prompts, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True
     )
     config = DiffusionGenerationConfig(
-        gen_length=32, block_length=8, steps=16, temperature=1.0, record_steps=list(range(16))
+        max_completion_length=32, block_length=8, diffusion_steps=16, temperature=1.0, record_steps=list(range(16))
     )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -678,8 +678,9 @@ def test_every_field_lfpo_adds_or_redefaults_parses_from_the_command_line(tmp_pa
         "ema_alpha_max": 0.3,
         "weight_decay": 0.0,
         "warmup_steps": 5.0,
+        "elbo_region": "answer",
     }
-    base = {f.name: f.default for f in dataclasses.fields(LFPOConfig.__mro__[1])}
+    base = {f.name: f.default for f in dataclasses.fields(DiffusionRLConfig)}
     changed = {f.name for f in dataclasses.fields(LFPOConfig) if f.name not in base or f.default != base[f.name]}
     assert changed == set(values) | {"warmup_ratio"}, changed ^ set(values)
     argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", "--block_length", "8", *cli_args(values)]

@@ -35,7 +35,7 @@ from trl_diffusion.masking import (
     stratified_timesteps,
     term_weights,
 )
-from trl_diffusion.trainer.sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
+from trl_diffusion.trainer import SequenceELBOConfig, SequenceELBOTrainer
 
 from helpers import tiny_grpo_config
 

@@ -119,7 +119,7 @@ def test_diffu_grpo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, t
     for iteration in range(num_iterations):
         perturb(model, seed=10 + iteration)  # the policy has moved since the rollout (as after optimiser steps)
         model.zero_grad()
-        loss = trainer._compute_loss(model, {**inputs, "mc_iteration": iteration})
+        loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
         loss.backward()
         actual = gradients(model)
 
@@ -187,7 +187,7 @@ def test_espo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, tmp_pat
     for iteration in range(num_iterations):
         perturb(model, seed=10 + iteration)
         model.zero_grad()
-        loss = trainer._compute_loss(model, {**inputs, "mc_iteration": iteration})
+        loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
         loss.backward()
         actual = gradients(model)
 

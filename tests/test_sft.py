@@ -250,7 +250,7 @@ def test_noise_is_private_reproducible_and_keyed(tiny_llada, tiny_tokenizer, tmp
 
 
 def test_sft_learns_the_format_and_greedy_generation_reproduces_it(tiny_tokenizer, tmp_path):
-    """32 "repeat this string" pairs: the loss falls and greedy decoding of a canvas of `completion_length` returns
+    """32 "repeat this string" pairs: the loss falls and greedy decoding of a canvas of `max_completion_length` returns
     the training completions, EOS fill and all (the property the demo relies on)."""
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4))) for _ in range(32)]
@@ -260,7 +260,7 @@ def test_sft_learns_the_format_and_greedy_generation_reproduces_it(tiny_tokenize
         model=model,
         args=make_args(
             tmp_path,
-            completion_length=6,
+            max_completion_length=6,
             per_device_train_batch_size=32,
             max_steps=300,
             learning_rate=3e-3,
@@ -280,7 +280,7 @@ def test_sft_learns_the_format_and_greedy_generation_reproduces_it(tiny_tokenize
         model,
         encoded["input_ids"],
         encoded["attention_mask"],
-        generation_config=DiffusionGenerationConfig(gen_length=6, block_length=6, steps=6),
+        generation_config=DiffusionGenerationConfig(max_completion_length=6, block_length=6, diffusion_steps=6),
         adapter=trainer.adapter,
     )
     texts = tiny_tokenizer.batch_decode(
@@ -294,8 +294,8 @@ def test_gradient_accumulation_matches_one_large_batch(tiny_llada, tiny_tokenize
     """The loss is the mean over completions: with the same noise for every row, two micro-batches of 2 accumulated
     take the same SGD step as one batch of 4."""
 
-    def same_noise_for_every_row(batch_size, completion_length, timestep_eps, generator):
-        masked = (torch.arange(completion_length) % 2 == 0).expand(batch_size, -1)
+    def same_noise_for_every_row(batch_size, max_completion_length, timestep_eps, generator):
+        masked = (torch.arange(max_completion_length) % 2 == 0).expand(batch_size, -1)
         return torch.full((batch_size,), 0.5), masked
 
     monkeypatch.setattr(sft_trainer, "sample_completion_masks", same_noise_for_every_row)
@@ -307,7 +307,7 @@ def test_gradient_accumulation_matches_one_large_batch(tiny_llada, tiny_tokenize
             tiny_tokenizer,
             tmp_path / str(batch_size),
             standard_dataset(prompts, completions),
-            completion_length=4,
+            max_completion_length=4,
             per_device_train_batch_size=batch_size,
             gradient_accumulation_steps=accumulation,
             optim="sgd",
@@ -347,9 +347,9 @@ def test_lora_trains_only_the_adapter(tiny_llada, tiny_tokenizer, tmp_path):
 def test_dataset_formats(kind, tiny_llada, tiny_tokenizer, tmp_path):
     """A plain-text completion ends with EOS; a conversational prompt gets the chat template's generation prompt and
     its completion is the assistant content followed by the end-of-turn token. Either way the canvas is filled with
-    EOS up to `completion_length`."""
+    EOS up to `max_completion_length`."""
     dataset = standard_dataset() if kind == "standard" else conversational_dataset()
-    trainer = make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path, dataset, completion_length=5)
+    trainer = make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path, dataset, max_completion_length=5)
     eos = tiny_tokenizer.eos_token_id
     for row, (prompt, completion) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
         example = trainer.train_dataset[row]
@@ -407,7 +407,7 @@ def test_new_fields_parse_from_the_command_line(tmp_path):
     (args,) = TrlParser((DiffusionSFTConfig,)).parse_args_and_config(
         [
             *cpu_argv(tmp_path),
-            "--completion_length",
+            "--max_completion_length",
             "256",
             "--max_prompt_length",
             "128",
@@ -458,7 +458,7 @@ def test_examples_longer_than_the_context(tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="does not fit the model"):
         make_trainer(model, tiny_tokenizer, tmp_path, long_prompt)
     with pytest.raises(ValueError, match="does not fit the model"):
-        make_trainer(model, tiny_tokenizer, tmp_path, standard_dataset(["a="], ["ok"]), completion_length=11)
+        make_trainer(model, tiny_tokenizer, tmp_path, standard_dataset(["a="], ["ok"]), max_completion_length=11)
     with pytest.raises(ValueError, match="does not fit the model"):
         make_trainer(model, tiny_tokenizer, tmp_path, standard_dataset(), max_length=5)
     # Truncating prompts from the left makes it fit; the end of the prompt is kept.
@@ -468,15 +468,15 @@ def test_examples_longer_than_the_context(tiny_tokenizer, tmp_path):
 
 
 def test_completion_longer_than_the_canvas(tiny_llada, tiny_tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="longer than `completion_length=3`"):
-        make_trainer(tiny_llada, tiny_tokenizer, tmp_path, completion_length=3)  # "xyz" + EOS is 4 tokens
-    collator = DataCollatorForDiffusionSFT(pad_token_id=0, eos_token_id=2, completion_length=2)
-    with pytest.raises(ValueError, match="longer than `completion_length=2`"):
+    with pytest.raises(ValueError, match="longer than `max_completion_length=3`"):
+        make_trainer(tiny_llada, tiny_tokenizer, tmp_path, max_completion_length=3)  # "xyz" + EOS is 4 tokens
+    collator = DataCollatorForDiffusionSFT(pad_token_id=0, eos_token_id=2, max_completion_length=2)
+    with pytest.raises(ValueError, match="longer than `max_completion_length=2`"):
         collator([{"prompt_ids": [5], "completion_ids": [6, 7, 2]}])
 
 
 def test_collator_checks_each_batch_canvas():
-    """Without `completion_length` a row's canvas is its prompt plus the batch's longest completion: two examples
+    """Without `max_completion_length` a row's canvas is its prompt plus the batch's longest completion: two examples
     that fit alone can overflow together (streamed datasets are only checked here)."""
     collator = DataCollatorForDiffusionSFT(pad_token_id=0, eos_token_id=2, max_length=5)
     long_prompt, long_completion = (
@@ -498,7 +498,7 @@ def test_collator_checks_each_batch_canvas():
         ({"completion_only_loss": False}, "completion_only_loss"),
         ({"loss_type": "dft"}, "loss_type"),
         ({"timestep_eps": 0.0}, "timestep_eps"),
-        ({"completion_length": 0}, "completion_length"),
+        ({"max_completion_length": 0}, "max_completion_length"),
         ({"dataset_kwargs": {"skip_prepare_dataset": True}}, "skip_prepare_dataset"),
     ],
 )

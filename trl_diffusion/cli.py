@@ -401,10 +401,10 @@ def _field_group(dtype: type, name: str) -> tuple[int, str]:
         return 0, f"{dtype.__name__}: dataset, rewards, evaluation, launch"
     owner = next(cls for cls in dtype.__mro__ if name in inspect.get_annotations(cls))
     if owner.__module__.startswith("trl_diffusion."):
-        from .trainer import DiffusionGRPOConfig
+        from .trainer import DiffusionRLConfig
 
-        if owner is DiffusionGRPOConfig:
-            return 1, "diffusion sampler and ELBO estimator (DiffusionGRPOConfig)"
+        if owner is DiffusionRLConfig:
+            return 1, "diffusion sampler and rollouts (DiffusionRLConfig)"
         return 2, f"{dtype.__name__}: the algorithm's settings"
     if owner.__module__.startswith("trl."):
         trl_class = next(

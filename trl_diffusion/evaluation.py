@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
-from .masking import derive_seed
 from .models.adapter import DiffusionAdapter
+from .seeding import derive_seed
 
 
 def resolve_task(task):
@@ -40,8 +40,8 @@ def task_name(task) -> str:
 
 def task_generation_config(task, **overrides) -> DiffusionGenerationConfig:
     """The sampler a task suggests (`task.max_completion_length`, `task.block_length`), greedy, with the default
-    number of steps (`gen_length // 2`). `overrides` are any other [`DiffusionGenerationConfig`] fields."""
-    settings = {"gen_length": task.max_completion_length, "block_length": task.block_length, **overrides}
+    number of steps (`max_completion_length // 2`). `overrides` are any other [`DiffusionGenerationConfig`] fields."""
+    settings = {"max_completion_length": task.max_completion_length, "block_length": task.block_length, **overrides}
     return DiffusionGenerationConfig(**settings)
 
 
@@ -264,7 +264,7 @@ def evaluate_task(
         # The sampler's fields, with the resolved number of steps.
         "generation_config": {
             **{name: getattr(generation_config, name) for name in generation_config.__dataclass_fields__},
-            "steps": generation_config.num_steps,
+            "diffusion_steps": generation_config.num_steps,
         },
         "records": records,
     }
@@ -340,7 +340,7 @@ class TaskEvaluationCallback(TrainerCallback):
         from trl.distributed import DistributedBackend
         from trl.models.utils import unwrap_model_for_generation
 
-        from .trainer.base import trl_checkpointing_deprecations_silenced
+        from .trainer.utils import trl_checkpointing_deprecations_silenced
 
         trainer = self.trainer
         if self._dataset is None:

@@ -109,14 +109,16 @@ class DiffusionGenerationConfig:
     schedule: str = field(
         default="linear",
         metadata={
-            "help": "Tokens committed per step of a block: `linear` (LLaDA's even split) or `cosine` (MaskGIT)."
+            "help": "Tokens committed per step of a block: `linear` (LLaDA's even split) or `cosine` (MaskGIT).",
+            "choices": list(SCHEDULES),
         },
     )
     remasking: str = field(
         default="low_confidence",
         metadata={
             "help": "Confidence deciding which proposals are committed: `low_confidence` (p(x0)), `random`, "
-            "`entropy` (negative entropy) or `margin` (top-1 minus top-2 probability)."
+            "`entropy` (negative entropy) or `margin` (top-1 minus top-2 probability).",
+            "choices": list(REMASKING_STRATEGIES),
         },
     )
     temperature: float = field(
@@ -163,7 +165,8 @@ class DiffusionGenerationConfig:
         metadata={
             "help": "Key/value caching of the denoising steps (Fast-dLLM): `none`, `prefix` (a block's later steps "
             "feed the block and what follows it, reading the positions before it from the block's first step) or "
-            "`dual` (they feed only the block, reading the positions before and after it from the first step)."
+            "`dual` (they feed only the block, reading the positions before and after it from the first step).",
+            "choices": list(CACHE_MODES),
         },
     )
     seed: int | None = field(

@@ -13,40 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .seeding import MASK_COMPLETION, MASK_PROMPT, MASK_SAMPLE, keyed_generator
+
 SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t")
 ELBO_REGIONS = ("canvas", "answer")
 LENGTH_NORMS = ("none", "canvas", "answer")
-
-# Independent random streams derived from one row seed: per-completion draws (offset or timesteps), the mask of
-# each Monte Carlo sample, and d1's prompt masks.
-_COMPLETION_STREAM = 0
-_SAMPLE_STREAM = 1
-_PROMPT_STREAM = 2
-
-_UINT64 = (1 << 64) - 1
-
-
-def _mix64(value: int) -> int:
-    """SplitMix64's finaliser: a bijection of 64-bit integers whose outputs look independent for nearby inputs."""
-    value = (value + 0x9E3779B97F4A7C15) & _UINT64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _UINT64
-    return value ^ (value >> 31)
-
-
-def derive_seed(*keys: int) -> int:
-    """Hashes integer keys (e.g. row seed, iteration, stream, Monte Carlo index) into a 64-bit generator seed.
-
-    Chaining the mixer keeps `(s, 1, 0)` and `(s, 0, 1)` apart, which a sum or xor of the keys would not.
-    """
-    state = 0
-    for key in keys:
-        state = _mix64(state ^ (int(key) & _UINT64))
-    return state
-
-
-def _generator(*keys: int) -> torch.Generator:
-    return torch.Generator().manual_seed(derive_seed(*keys))
 
 
 def new_mask_seeds(batch_size: int, generator: torch.Generator | None = None) -> torch.LongTensor:
@@ -312,9 +283,9 @@ def sample_masks(
         n = positions.numel()
         if n == 0:
             continue  # nothing to score: every term is 0, and its forward pass still runs
-        draws = _completion_draws(sampler, n, num_mc_samples, eps, _generator(seed, iteration, _COMPLETION_STREAM))
+        draws = _completion_draws(sampler, n, num_mc_samples, eps, keyed_generator(seed, iteration, MASK_COMPLETION))
         for mc_index, draw in enumerate(draws):
-            generator = _generator(seed, iteration, _SAMPLE_STREAM, mc_index)
+            generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index)
             if by_count:
                 chosen = positions[torch.randperm(n, generator=generator)[:draw]]
             else:
@@ -360,7 +331,7 @@ def sample_prompt_masks(
     if p_mask_prompt > 0:
         for row, seed in enumerate(seeds.tolist()):
             positions = real[row].nonzero().squeeze(-1)
-            generator = _generator(seed, iteration, _PROMPT_STREAM)
+            generator = keyed_generator(seed, iteration, MASK_PROMPT)
             draws = torch.rand(positions.numel(), generator=generator, dtype=torch.float64)
             masked[row, positions[draws < p_mask_prompt]] = True
     return masked.to(prompt_mask.device)

@@ -1,6 +1,9 @@
 """The trainers: a shared GRPOTrainer base with diffusion rollouts, and one config/trainer pair per algorithm."""
 
-from .base import DiffusionGRPOConfig, DiffusionGRPOTrainer
+import warnings
+
+from .base_config import DiffusionRLConfig
+from .base_trainer import DiffusionRLTrainer
 from .bgpo_config import BGPOConfig
 from .bgpo_trainer import BGPOTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
@@ -9,7 +12,8 @@ from .espo_config import ESPOConfig
 from .espo_trainer import ESPOTrainer
 from .lfpo_config import LFPOConfig
 from .lfpo_trainer import LFPOTrainer
-from .sequence_elbo import SequenceELBOConfig, SequenceELBOTrainer
+from .sequence_elbo_config import SequenceELBOConfig
+from .sequence_elbo_trainer import SequenceELBOTrainer
 from .sft_config import DiffusionSFTConfig
 from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
 from .vrpo_config import VRPOConfig
@@ -20,8 +24,8 @@ __all__ = [
     "BGPOTrainer",
     "DiffuGRPOConfig",
     "DiffuGRPOTrainer",
-    "DiffusionGRPOConfig",
-    "DiffusionGRPOTrainer",
+    "DiffusionRLConfig",
+    "DiffusionRLTrainer",
     "ESPOConfig",
     "ESPOTrainer",
     "LFPOConfig",
@@ -34,3 +38,17 @@ __all__ = [
     "DiffusionSFTConfig",
     "DiffusionSFTTrainer",
 ]
+
+# Old names of the shared base, one syllable from d1's `DiffuGRPOTrainer`.
+_RENAMED = {"DiffusionGRPOConfig": DiffusionRLConfig, "DiffusionGRPOTrainer": DiffusionRLTrainer}
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        warnings.warn(
+            f"`{name}` is renamed `{_RENAMED[name].__name__}`; the old name will be removed in a future release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return _RENAMED[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,14 +1,14 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .sequence_elbo import SequenceELBOConfig
+from .sequence_elbo_config import SequenceELBOConfig
 
 
 @dataclass
 class BGPOConfig(SequenceELBOConfig):
     r"""
     Configuration of [`BGPOTrainer`] (Boundary-Guided Policy Optimization). Every field of [`SequenceELBOConfig`]
-    (and so of [`DiffusionGRPOConfig`] and TRL's `GRPOConfig`) applies; this class changes one default:
+    (and so of [`DiffusionRLConfig`] and TRL's `GRPOConfig`) applies; this class changes one default:
 
         num_mc_samples (`int`, *optional*, defaults to `16`):
             Monte Carlo samples n_t of the ELBO per completion (the paper's 16; 32 for Sudoku). Each sample gets its

@@ -5,7 +5,7 @@ import torch
 
 from ..masking import MaskPlan
 from .bgpo_config import BGPOConfig
-from .sequence_elbo import MAX_LOG_RATIO, SequenceELBOTrainer
+from .sequence_elbo_trainer import MAX_LOG_RATIO, SequenceELBOTrainer
 
 
 class BGPOTrainer(SequenceELBOTrainer):
@@ -17,9 +17,9 @@ class BGPOTrainer(SequenceELBOTrainer):
     `r_j = exp(d_j)` for `A < 0` (Jensen): each sample gets its own forward and backward inside `training_step`, and
     activation memory stays that of one sample whatever `num_mc_samples`. On-policy (`d_j = 0`) value and gradient
     equal VRPO's. The per-sample backward is the shared layer's `training_step` (see
-    [`DiffusionGRPOTrainer.loss_pieces`]).
+    [`DiffusionRLTrainer.loss_pieces`]).
 
-    Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`BGPOConfig`].
+    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`BGPOConfig`].
 
     Example:
 
@@ -105,7 +105,7 @@ class BGPOTrainer(SequenceELBOTrainer):
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
         """One piece per Monte Carlo sample: `training_step` back-propagates each on its own."""
-        plan = self.mask_plan(inputs, inputs["mc_iteration"])
+        plan = self.mask_plan(inputs, inputs["inner_iteration"])
         return plan.num_mc_samples, self._sample_losses(model, inputs, plan, mode)
 
     def _sample_losses(self, model, inputs: dict, plan: MaskPlan, mode: str) -> Iterator[torch.Tensor]:

@@ -1,13 +1,13 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .base import DiffusionGRPOConfig
+from .base_config import DiffusionRLConfig
 
 
 @dataclass
-class DiffuGRPOConfig(DiffusionGRPOConfig):
+class DiffuGRPOConfig(DiffusionRLConfig):
     r"""
-    Configuration of [`DiffuGRPOTrainer`] (d1's diffu-GRPO). Every field of [`DiffusionGRPOConfig`] and TRL's
+    Configuration of [`DiffuGRPOTrainer`] (d1's diffu-GRPO). Every field of [`DiffusionRLConfig`] and TRL's
     `GRPOConfig` applies, with d1's defaults where it departs from TRL's: `loss_type="bnpo"`, `epsilon=0.5`,
     `beta=0.04`, `use_bias_correction_kl=False`, `scale_rewards="none"` (advantages are reward minus the group mean),
     `temperature=0.9`. d1's recipe also uses `num_iterations` 12 (GSM8K, MATH) or 8 (Countdown, Sudoku),
@@ -37,7 +37,7 @@ class DiffuGRPOConfig(DiffusionGRPOConfig):
     temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (d1: 0.9)."})
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
-        **DiffusionGRPOConfig.unsupported_fields,
+        **DiffusionRLConfig.unsupported_fields,
         "router_aux_loss_coef": ((None,), "the mean-field pass computes no Mixture-of-Experts router loss"),
     }
 

@@ -3,19 +3,21 @@ import textwrap
 import torch
 
 from ..likelihood import mean_field_logprobs
-from .base import DiffusionGRPOTrainer
+from .base_trainer import DiffusionRLTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
 
 
-class DiffuGRPOTrainer(DiffusionGRPOTrainer):
+class DiffuGRPOTrainer(DiffusionRLTrainer):
     r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
 
     The log-probability of completion token `y_i` is read from one forward pass in which every completion position is
     masked and each prompt token is masked with probability `p_mask_prompt`; the prompt mask is drawn afresh for each
     inner iteration and shared by the current, old and reference policies. Everything else (clipping, the k3 KL,
-    every `loss_type`, entropy masking, metrics) is TRL's `GRPOTrainer`.
+    every `loss_type`, entropy masking, metrics) is TRL's `GRPOTrainer`: relative to [`DiffusionRLTrainer`], this
+    trainer defines only the log-probabilities TRL's loss reads (`_score_rollouts` for the old and reference ones,
+    `_completion_logps` for the current ones) and hands TRL's `_compute_loss` the current inner iteration's.
 
-    Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`DiffuGRPOConfig`].
+    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`DiffuGRPOConfig`].
 
     Example:
 
@@ -48,10 +50,6 @@ class DiffuGRPOTrainer(DiffusionGRPOTrainer):
                 eprint       = {arXiv:2504.12216},
             }"""),
     }
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._active_inputs = None
 
     def _mean_field_logps(self, model, inputs: dict, iteration: int, num_scored: int, return_entropy: bool = False):
         """Per-token log-probs of the first `num_scored` canvas positions (TRL's cut completions line up with them).
@@ -87,7 +85,7 @@ class DiffuGRPOTrainer(DiffusionGRPOTrainer):
         return self.old_and_reference_scores(inputs, mode, score, "mean_field_logps")
 
     def _compute_loss(self, model, inputs):
-        iteration = inputs["mc_iteration"]
+        iteration = inputs["inner_iteration"]
         inputs = dict(inputs)
         # TRL's loss reads the old and reference log-probs of this inner iteration under its own keys.
         for stored, trl_key in (
@@ -96,17 +94,11 @@ class DiffuGRPOTrainer(DiffusionGRPOTrainer):
         ):
             if stored in inputs:
                 inputs[trl_key] = inputs[stored][:, iteration]
-        self._active_inputs = inputs
-        try:
+        with self.trl_loss_batch(inputs):
             return super()._compute_loss(model, inputs)
-        finally:
-            self._active_inputs = None
 
-    def _completion_logps(
-        self, model, input_ids, attention_mask, logits_to_keep, *args, compute_entropy=False, **kwargs
-    ):
-        inputs = self._active_inputs
+    def _completion_logps(self, model, inputs: dict, logits_to_keep: int, compute_entropy: bool = False):
         logps, entropies = self._mean_field_logps(
-            model, inputs, inputs["mc_iteration"], logits_to_keep, return_entropy=True
+            model, inputs, inputs["inner_iteration"], logits_to_keep, return_entropy=True
         )
         return logps, entropies if compute_entropy else None, None

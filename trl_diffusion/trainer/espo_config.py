@@ -1,6 +1,6 @@
 from dataclasses import dataclass, field
 
-from .sequence_elbo import SequenceELBOConfig
+from .sequence_elbo_config import SequenceELBOConfig
 
 KL_ESTIMATORS = ("k2", "k1", "k3")
 
@@ -9,7 +9,7 @@ KL_ESTIMATORS = ("k2", "k1", "k3")
 class ESPOConfig(SequenceELBOConfig):
     r"""
     Configuration of [`ESPOTrainer`] (ELBO-based Sequence-level Policy Optimization). Every field of
-    [`SequenceELBOConfig`] (and so of [`DiffusionGRPOConfig`] and TRL's `GRPOConfig`) applies, with ESPO's defaults:
+    [`SequenceELBOConfig`] (and so of [`DiffusionRLConfig`] and TRL's `GRPOConfig`) applies, with ESPO's defaults:
     `mask_sampler="coupled"` with `num_mc_samples=2` pairs, `elbo_region="canvas"` and `length_norm="canvas"` (the
     ratio is normalised by the generation length L), `clip_sequence_ratio=True` with `epsilon=0.2`, `beta=1e-3`,
     `num_iterations=8`, `scale_rewards="none"`, `learning_rate=3e-6`. The paper's per-task values: beta 1e-3 (GSM8K,
@@ -34,7 +34,8 @@ class ESPOConfig(SequenceELBOConfig):
         },
     )
     leave_one_out: bool = field(
-        default=True, metadata={"help": "Leave-one-out (RLOO) baseline: reward minus the mean of the other rewards."}
+        default=True,
+        metadata={"help": "Leave-one-out (RLOO) baseline: reward minus the mean of the other rewards (ESPO: on)."},
     )
     mask_sampler: str = field(
         default="coupled", metadata={"help": "How the Monte Carlo masks are drawn (ESPO: coupled antithetic pairs)."}

@@ -4,7 +4,7 @@ import textwrap
 import torch
 
 from .espo_config import ESPOConfig
-from .sequence_elbo import SequenceELBOTrainer
+from .sequence_elbo_trainer import SequenceELBOTrainer
 
 
 class ESPOTrainer(SequenceELBOTrainer):
@@ -15,7 +15,11 @@ class ESPOTrainer(SequenceELBOTrainer):
     `-min(rho*A, clip(rho, 1-eps, 1+eps_high)*A) + beta * (B_theta - B_ref)^2 / (2L)`, `rho = exp((B_theta - B_old)/L)`,
     with leave-one-out advantages.
 
-    Arguments are those of [`DiffusionGRPOTrainer`], with `args` an [`ESPOConfig`].
+    Relative to [`SequenceELBOTrainer`], ESPO defines `_compute_loss` (the clipped, per-token-normalised sequence
+    ratio with its KL estimators) and `sequence_kl` (k1 and k3 for ablations); its leave-one-out advantages are the
+    base trainer's `leave_one_out`, on by default in [`ESPOConfig`].
+
+    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`ESPOConfig`].
 
     Example:
 
@@ -49,25 +53,6 @@ class ESPOTrainer(SequenceELBOTrainer):
             }"""),
     }
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # Gathered over processes: which completions of each (global) group some reward function scored.
-        self._scored_rows = ~torch.isnan(rewards_per_func).all(dim=1)
-        return rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        if self.args.leave_one_out:
-            group_size = self.num_generations if self.model.training else self.num_generations_eval
-            # TRL's baseline is the mean of the G_s scored completions of the group (unscored ones get advantage 0),
-            # and r_i - mean_{j != i} r_j = G_s/(G_s-1) * (r_i - mean_j r_j) over those G_s.
-            scored = self._scored_rows.view(-1, group_size).sum(dim=1).repeat_interleave(group_size).float()
-            factor = torch.where(scored > 1, scored / (scored - 1).clamp(min=1), torch.ones_like(scored))
-            rows = output["advantages"].shape[0]
-            start = self.accelerator.process_index * rows
-            output["advantages"] = output["advantages"] * factor[start : start + rows].to(output["advantages"].device)
-        return output
-
     def sequence_kl(self, elbo: torch.Tensor, ref_elbo: torch.Tensor) -> torch.Tensor:
         delta = elbo - ref_elbo
         length = self.args.max_completion_length
@@ -84,3 +69,12 @@ class ESPOTrainer(SequenceELBOTrainer):
             self._metrics[mode]["kl/k3_overflow_guard_hits"].append(self.accelerator.gather(hits).sum().item())
             return (torch.exp(exponent.clamp(max=max_exponent)) - 1 + delta) / length
         return super().sequence_kl(elbo, ref_elbo)
+
+    def _compute_loss(self, model, inputs):
+        """Per completion `-min(rho*A, clip(rho)*A) * mask + beta * KL`, every Monte Carlo pair in one graph."""
+        mode = "train" if self.model.training else "eval"
+        elbo = self.elbo_terms(model, inputs, inputs["inner_iteration"]).mean(dim=1)
+        loss = self.sequence_policy_loss(inputs, elbo, mode)
+        if self.beta != 0.0:
+            loss = loss + self.beta * self.kl_penalty(inputs, elbo, mode)
+        return self.micro_batch_loss(inputs, loss, elbo, mode)

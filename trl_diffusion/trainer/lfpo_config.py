@@ -1,18 +1,18 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .base import DiffusionGRPOConfig, refused_token_loss_fields
+from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 LFPO_VARIANTS = ("all", "positive", "negative")
 LFPO_STATE_SOURCES = ("trajectory", "forward")
 
 
 @dataclass
-class LFPOConfig(DiffusionGRPOConfig):
+class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
     r"""
-    Configuration of [`LFPOTrainer`] (Likelihood-Free Policy Optimization). Every field of [`DiffusionGRPOConfig`]
-    and TRL's `GRPOConfig` applies (the likelihood-estimator fields except `elbo_region` do not: LFPO estimates no
-    likelihood), except TRL's loss options: `beta` (the KL coefficient) must stay 0, `mask_truncated_completions`
+    Configuration of [`LFPOTrainer`] (Likelihood-Free Policy Optimization). Every field of [`DiffusionRLConfig`]
+    and TRL's `GRPOConfig` applies, and `elbo_region` ([`CompletionRegionConfig`]: the positions the loss scores),
+    except TRL's loss options: `beta` (the KL coefficient) must stay 0, `mask_truncated_completions`
     applies (completions without a terminator are left out of the loss), and the ratio, clipping and token-level
     options are refused (see `unsupported_fields`). Defaults follow the paper where it departs from TRL:
     `weight_decay=0.01`, `warmup_steps=0.1` (a value below 1 is a fraction of the optimiser steps: the paper's
@@ -98,7 +98,7 @@ class LFPOConfig(DiffusionGRPOConfig):
     )
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
-        **DiffusionGRPOConfig.unsupported_fields,
+        **DiffusionRLConfig.unsupported_fields,
         **refused_token_loss_fields("LFPO's contrastive loss"),
         "beta": (
             (0.0,),

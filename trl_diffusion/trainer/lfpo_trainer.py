@@ -12,8 +12,9 @@ from safetensors.torch import load_model, save_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import use_adapter
 
-from ..masking import completion_region, derive_seed
-from .base import DiffusionGRPOTrainer
+from ..masking import completion_region
+from ..seeding import LFPO_STATES, keyed_generator
+from .base_trainer import DiffusionRLTrainer
 from .lfpo_config import LFPOConfig
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,6 @@ logger = logging.getLogger(__name__)
 OLD_ADAPTER = "old"
 # The weight copy of the old policy in a checkpoint (full fine-tuning; PEFT saves the "old" adapter in `old/`).
 OLD_POLICY_FILE = "old_policy.safetensors"
-# Stream of the per-row seed that draws a completion's training states (the mask streams use 0..2).
-_STATE_STREAM = 3
 
 
 def lfpo_state_masks(
@@ -61,7 +60,7 @@ def lfpo_state_masks(
     commit_step_cpu, region_cpu = commit_step.cpu(), region.cpu()
     strata = torch.arange(num_states, dtype=torch.float64)
     for row, seed in enumerate(seeds.tolist()):
-        generator = torch.Generator().manual_seed(derive_seed(seed, _STATE_STREAM))
+        generator = keyed_generator(seed, LFPO_STATES)
         offsets = torch.rand(num_states, generator=generator, dtype=torch.float64)
         if source == "trajectory":
             num_steps = int(commit_step_cpu[row].max()) + 1
@@ -74,7 +73,7 @@ def lfpo_state_masks(
     return masks.to(commit_step.device)
 
 
-class LFPOTrainer(DiffusionGRPOTrainer):
+class LFPOTrainer(DiffusionRLTrainer):
     r"""Likelihood-Free Policy Optimization for masked diffusion language models.
 
     No likelihood is estimated: on states of the old policy's own denoising trajectories (K per completion), the
@@ -85,7 +84,7 @@ class LFPOTrainer(DiffusionGRPOTrainer):
     without PEFT), updated once per rollout round; it generates the rollouts. (row, state) pairs are processed in
     blocks, each with its own backward, so memory does not grow with K.
 
-    Arguments are those of [`DiffusionGRPOTrainer`], with `args` an [`LFPOConfig`].
+    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`LFPOConfig`].
 
     Example:
 

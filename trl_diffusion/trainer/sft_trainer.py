@@ -25,14 +25,11 @@ from trl.data_utils import get_dataset_column_names
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first, pad
 
 from ..hub import HubErrorsMixin
-from ..masking import derive_seed
 from ..models.adapter import DiffusionAdapter
-from .base import check_processing_class
+from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
+from .utils import check_processing_class
 
-# Streams of the noise generators: training micro-batches and evaluation batches.
-_TRAIN_NOISE_STREAM = 0
-_EVAL_NOISE_STREAM = 1
 # Rows read at a time when checking the lengths of a dataset.
 _LENGTH_CHECK_BATCH_SIZE = 10_000
 
@@ -345,13 +342,13 @@ class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
         evaluation sees the same noise."""
         process_index = self.accelerator.process_index
         if mode == "eval":
-            key = derive_seed(self.args.seed, _EVAL_NOISE_STREAM, self._eval_noise_batch, process_index)
+            key = derive_seed(self.args.seed, SFT_EVAL_NOISE, self._eval_noise_batch, process_index)
             self._eval_noise_batch += 1
         else:
             if self._noise_step != self.state.global_step:
                 self._noise_step, self._noise_micro_batch = self.state.global_step, 0
             key = derive_seed(
-                self.args.seed, _TRAIN_NOISE_STREAM, self.state.global_step, self._noise_micro_batch, process_index
+                self.args.seed, SFT_TRAIN_NOISE, self.state.global_step, self._noise_micro_batch, process_index
             )
             self._noise_micro_batch += 1
         return torch.Generator().manual_seed(key)

@@ -1,13 +1,13 @@
 from dataclasses import dataclass, field
 
-from .sequence_elbo import SequenceELBOConfig
+from .sequence_elbo_config import SequenceELBOConfig
 
 
 @dataclass
 class VRPOConfig(SequenceELBOConfig):
     r"""
     Configuration of [`VRPOTrainer`]: online VRPO ("VRPO-OL"), LLaDA 1.5's variance-reduced ELBO estimator in a GRPO
-    loop. Every field of [`SequenceELBOConfig`] (and so of [`DiffusionGRPOConfig`] and TRL's `GRPOConfig`) applies;
+    loop. Every field of [`SequenceELBOConfig`] (and so of [`DiffusionRLConfig`] and TRL's `GRPOConfig`) applies;
     this class changes one default:
 
         num_mc_samples (`int`, *optional*, defaults to `4`):

@@ -1,6 +1,6 @@
 import textwrap
 
-from .sequence_elbo import SequenceELBOTrainer
+from .sequence_elbo_trainer import SequenceELBOTrainer
 from .vrpo_config import VRPOConfig
 
 
@@ -10,10 +10,10 @@ class VRPOTrainer(SequenceELBOTrainer):
     With `d = (B_theta - B_old) / N` the ELBO difference of a completion (Monte Carlo masks shared by the current,
     old and reference policies), the loss of a completion is `-A * exp(d)` (PPO-clipped with
     `clip_sequence_ratio`), plus `beta * (B_theta - B_ref)^2 / (2L)`. Every Monte Carlo forward stays in the graph
-    until one backward: this is the honest memory baseline that [`BGPOTrainer`] removes. The objective is the
-    sequence-ratio objective of [`SequenceELBOTrainer`], which ESPO shares.
+    until one backward: this is the honest memory baseline that [`BGPOTrainer`] removes. The only change w.r.t.
+    [`SequenceELBOTrainer`] is `_compute_loss`.
 
-    Arguments are those of [`DiffusionGRPOTrainer`], with `args` a [`VRPOConfig`].
+    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`VRPOConfig`].
 
     Example:
 
@@ -44,3 +44,13 @@ class VRPOTrainer(SequenceELBOTrainer):
                 eprint       = {arXiv:2505.19223},
             }"""),
     }
+
+    def _compute_loss(self, model, inputs):
+        """Every Monte Carlo term in one graph, then per completion `-objective(rho, A) * mask + beta * k2`;
+        activation memory grows with `num_mc_samples`."""
+        mode = "train" if self.model.training else "eval"
+        elbo = self.elbo_terms(model, inputs, inputs["inner_iteration"]).mean(dim=1)
+        loss = self.sequence_policy_loss(inputs, elbo, mode)
+        if self.beta != 0.0:
+            loss = loss + self.beta * self.kl_penalty(inputs, elbo, mode)
+        return self.micro_batch_loss(inputs, loss, elbo, mode)

@@ -1,0 +1,62 @@
+"""Every random draw of training and evaluation comes from a private `torch.Generator` seeded by `derive_seed` from
+integer keys; the global RNG is never used. The stream table below is the whole list of keys, so that two draws
+never share a stream by accident.
+
+Keys of a rollout (`DiffusionRLTrainer`):
+
+    rollout key = derive_seed(seed, ROLLOUT_TRAIN, global_step, micro-batch)   (ROLLOUT_EVAL, step, eval round)
+    row key     = derive_seed(rollout key, global row index across processes)
+    sampling    = derive_seed(row key, ROW_SAMPLING)    the sampler's Gumbel noise
+    mask seed   = derive_seed(row key, ROW_MASKS) >> 2  stored on the batch as `mask_seeds`
+
+Streams of one mask seed (`trl_diffusion.masking`, LFPO's states), each keyed also by the inner iteration:
+
+    MASK_COMPLETION  per-completion draws of a Monte Carlo sampler (stratified offset, timesteps)
+    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed by its index)
+    MASK_PROMPT      d1's prompt mask
+    LFPO_STATES      LFPO's choice of trajectory states
+
+Diffusion SFT noise: derive_seed(seed, SFT_TRAIN_NOISE, step, micro-batch, process) or (SFT_EVAL_NOISE, batch,
+process). Evaluation sampling: derive_seed(seed, example index).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROLLOUT_TRAIN = 0
+ROLLOUT_EVAL = 1
+ROW_SAMPLING = 0
+ROW_MASKS = 1
+MASK_COMPLETION = 0
+MASK_SAMPLE = 1
+MASK_PROMPT = 2
+LFPO_STATES = 3
+SFT_TRAIN_NOISE = 0
+SFT_EVAL_NOISE = 1
+
+_UINT64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers whose outputs look independent for nearby inputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _UINT64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _UINT64
+    return value ^ (value >> 31)
+
+
+def derive_seed(*keys: int) -> int:
+    """Hashes integer keys (e.g. row seed, iteration, stream, Monte Carlo index) into a 64-bit generator seed.
+
+    Chaining the mixer keeps `(s, 1, 0)` and `(s, 0, 1)` apart, which a sum or xor of the keys would not.
+    """
+    state = 0
+    for key in keys:
+        state = _mix64(state ^ (int(key) & _UINT64))
+    return state
+
+
+def keyed_generator(*keys: int, device: torch.device | str | None = None) -> torch.Generator:
+    """A `torch.Generator` (on `device`, default the CPU) seeded with `derive_seed(*keys)`."""
+    return torch.Generator(device=device or "cpu").manual_seed(derive_seed(*keys))

@@ -1,0 +1,202 @@
+"""The configuration every trl_diffusion RL trainer shares: TRL's `GRPOConfig` plus the diffusion sampler of the
+rollouts, taken field by field from [`DiffusionGenerationConfig`] (its defaults, help and choices), and the reward
+and advantage settings of the shared base."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from trl import GRPOConfig
+
+from ..generation import DiffusionGenerationConfig
+from ..masking import ELBO_REGIONS
+from ..validation import choose_precision_defaults, choose_progress_defaults
+
+# The sampler settings a trainer config carries, under the sampler's own names. `max_completion_length` and
+# `temperature` are also TRL's fields: the sampler reads TRL's values, as TRL's `GRPOConfig` flattens its own
+# generation settings.
+SAMPLER_FIELDS = (
+    "max_completion_length",
+    "block_length",
+    "diffusion_steps",
+    "remasking",
+    "schedule",
+    "temperature",
+    "cfg_scale",
+    "threshold",
+    "early_stop",
+    "defer_terminators",
+    "generation_cache",
+)
+
+
+def sampler_field(name: str, default=None, note: str | None = None):
+    """The config field of sampler setting `name`: the default (unless `default` is given), help and choices of
+    [`DiffusionGenerationConfig`]'s field, `note` appended to the help."""
+    source = DiffusionGenerationConfig.__dataclass_fields__[name]
+    metadata = dict(source.metadata)
+    if note:
+        metadata["help"] = f"{metadata['help']} {note}"
+    return field(default=source.default if default is None else default, metadata=metadata)
+
+
+def refused_token_loss_fields(objective: str) -> dict[str, tuple[tuple, str]]:
+    """Entries of a config's `unsupported_fields` for TRL's token-level loss options, which an objective that computes
+    its own loss (VRPO, BGPO, ESPO, LFPO) cannot honour: each keeps only TRL's default. `objective` names the loss in
+    the messages (e.g. "the sequence-level ELBO loss")."""
+    groups = {
+        "loss_type importance_sampling_level": f"{objective} is not one of TRL's token-level losses",
+        "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg": (
+            f"a parameter of TRL's `sapo` / `vespo` loss types, which {objective} is not"
+        ),
+        "top_entropy_quantile": f"TRL's entropy mask selects the tokens of its token-level loss; {objective} has no "
+        "per-token policy term",
+        "entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target": (
+            f"TRL's entropy bonus is a term of its token-level loss, which {objective} replaces"
+        ),
+        "router_aux_loss_coef": f"{objective} adds no Mixture-of-Experts router loss",
+    }
+    defaults = GRPOConfig.__dataclass_fields__
+    return {name: ((defaults[name].default,), reason) for names, reason in groups.items() for name in names.split()}
+
+
+@dataclass
+class DiffusionRLConfig(GRPOConfig):
+    r"""
+    Configuration shared by the trl_diffusion RL trainers: TRL's [`~trl.GRPOConfig`] plus the diffusion sampler that
+    generates the rollouts. The sampler fields are [`DiffusionGenerationConfig`]'s, under the same names
+    (`SAMPLER_FIELDS`): `max_completion_length` is the canvas length L, `temperature` the sampling temperature of
+    the denoiser (TRL's default 1.0), and `block_length`, `diffusion_steps`, `remasking`, `schedule`, `cfg_scale`,
+    `threshold`, `early_stop`, `defer_terminators` and `generation_cache` are documented there.
+    `to_generation_config()` returns the sampler's config.
+
+    Parameters of the rollouts:
+
+        mask_token_id (`int`, *optional*):
+            Id of the mask token. Default: the model config's `mask_token_id`, then the tokenizer's, then the known
+            value of the model family (LLaDA 126336, Dream 151666).
+        max_prompt_length (`int`, *optional*, defaults to `512`):
+            Prompts longer than this are truncated from the left (the end of a prompt is what the completion
+            follows). `None` keeps them whole.
+        generation_progress_bar (`bool`, *optional*, defaults to `False`):
+            Show a progress bar over the denoising steps of each rollout.
+
+    Parameters of the rewards and advantages:
+
+        leave_one_out (`bool`, *optional*, defaults to `False`):
+            Leave-one-out (RLOO) baseline: the advantage of a completion is its reward minus the mean reward of the
+            other scored completions of its group (TRL's group-mean advantage times `G / (G - 1)`).
+        max_consecutive_failed_reward_steps (`int`, *optional*, defaults to `10`):
+            Stop training with an error naming the reward function when it scores no completion (it raised, or
+            returned `None`, NaN or an infinite value for every row) in this many consecutive rollout batches.
+            `None` never stops (for a reward function that legitimately skips whole batches).
+    """
+
+    max_completion_length: int | None = sampler_field(
+        "max_completion_length", default=512, note="(TRL's field: cut after its first terminator for TRL.)"
+    )
+    temperature: float = sampler_field("temperature", default=1.0)
+    block_length: int = sampler_field("block_length")
+    diffusion_steps: int | None = sampler_field("diffusion_steps")
+    remasking: str = sampler_field("remasking")
+    schedule: str = sampler_field("schedule")
+    cfg_scale: float = sampler_field("cfg_scale")
+    threshold: float | None = sampler_field("threshold")
+    early_stop: bool = sampler_field("early_stop")
+    defer_terminators: bool = sampler_field("defer_terminators")
+    generation_cache: str = sampler_field(
+        "generation_cache", note="Off in training until its effect on learning is measured (docs/benchmarks.md)."
+    )
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
+            "(LLaDA 126336, Dream 151666)."
+        },
+    )
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Prompts longer than this are truncated from the left. None keeps them whole."},
+    )
+    generation_progress_bar: bool = field(
+        default=False, metadata={"help": "Show a progress bar over the denoising steps of each rollout."}
+    )
+    leave_one_out: bool = field(
+        default=False,
+        metadata={"help": "Leave-one-out (RLOO) baseline: reward minus the mean of the other rewards of the group."},
+    )
+    max_consecutive_failed_reward_steps: int | None = field(
+        default=10,
+        metadata={
+            "help": "Stop training with an error when a reward function scores no completion (it raised, or "
+            "returned None, NaN or inf for every row) in this many consecutive rollout batches. None never stops."
+        },
+    )
+
+    # Inherited fields the diffusion trainers refuse: name -> (the values that leave the feature off, why). The
+    # first value is TRL's default. `__post_init__` raises on any other value, and `trl-diffusion` offers no flag for
+    # them. A subclass extends it as `{**Parent.unsupported_fields, ...}`.
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "use_vllm": ((False,), "vLLM has no masked-diffusion sampler; rollouts come from the built-in one"),
+        "use_transformers_continuous_batching": ((False,), "continuous batching decodes autoregressively"),
+        "use_liger_kernel": ((False,), "Liger's fused kernels assume a causal language-model head"),
+        "top_p": ((1.0,), "the diffusion sampler samples with `temperature` only"),
+        "top_k": ((0, None), "the diffusion sampler samples with `temperature` only"),
+        "min_p": ((None, 0.0), "the diffusion sampler samples with `temperature` only"),
+        "repetition_penalty": ((1.0,), "the diffusion sampler samples with `temperature` only"),
+    }
+
+    def __post_init__(self):
+        # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
+        choose_precision_defaults(self)
+        choose_progress_defaults(self)
+        super().__post_init__()
+        for name, (allowed, reason) in self.unsupported_fields.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"`{name}={getattr(self, name)!r}` is not supported by trl_diffusion ({reason}). Leave `{name}` "
+                    f"at {allowed[0]!r}."
+                )
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError("`max_completion_length` (the canvas length L) must be a positive integer.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"`max_prompt_length` must be positive or None, got {self.max_prompt_length}.")
+        if self.max_consecutive_failed_reward_steps is not None and self.max_consecutive_failed_reward_steps < 1:
+            raise ValueError(
+                "`max_consecutive_failed_reward_steps` must be a positive number of rollout batches, or None to never "
+                f"stop; got {self.max_consecutive_failed_reward_steps}."
+            )
+        # Validates the sampler settings now rather than at the first rollout (the messages name the same fields).
+        self.to_generation_config()
+
+    def to_generation_config(self) -> DiffusionGenerationConfig:
+        """The [`DiffusionGenerationConfig`] of the rollouts."""
+        return DiffusionGenerationConfig(**{name: getattr(self, name) for name in SAMPLER_FIELDS})
+
+
+@dataclass
+class CompletionRegionConfig:
+    r"""
+    The completion region a likelihood-based or likelihood-free objective masks and scores; a base of the configs
+    whose trainers read it (the sequence-ELBO trainers and LFPO).
+
+        elbo_region (`str`, *optional*, defaults to `"canvas"`):
+            Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
+            including the first terminator).
+    """
+
+    elbo_region: str = field(
+        default="canvas",
+        metadata={
+            "help": "Positions masked and scored: the whole canvas or the answer up to its first terminator.",
+            "choices": list(ELBO_REGIONS),
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.elbo_region not in ELBO_REGIONS:
+            raise ValueError(f"Unknown `elbo_region` {self.elbo_region!r}: choose one of {ELBO_REGIONS}.")

@@ -1,0 +1,780 @@
+"""The trainer every trl_diffusion RL trainer shares: TRL's `GRPOTrainer` whose rollouts come from the denoising
+sampler.
+
+Everything else stays TRL's: chat templates, reward functions and weights, group advantages, gathering across
+processes, metrics and completion logs, PEFT, the reference model, `num_iterations` / `steps_per_generation`
+buffering, evaluation, checkpoints and the Hub. A subclass adds what its objective needs from the old and
+reference policies (`_score_rollouts`, computed once per rollout under no_grad) and its objective (`_compute_loss`,
+and `loss_pieces` for an objective back-propagated part by part). The overrides of TRL's private methods are all in
+[`TRLContractMixin`], whose docstring states the call order they rely on.
+
+Randomness: see `trl_diffusion.seeding`. Every rollout row gets a key derived from (`seed`, the rollout's place in
+training, the row's global index across processes); its sampling noise and its Monte Carlo masks come from private
+generators seeded by that key, so a run is reproducible, old / reference / current passes share masks, and two
+processes compute exactly what one process computes over the same global batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+from accelerate.utils import DistributedType
+from peft.utils.error import NoMatchingPeftModuleError
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.training_args import OptimizerNames
+from transformers.utils import is_sagemaker_mp_enabled
+from trl import GRPOTrainer
+from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import get_config_model_id, pad, use_adapter
+
+from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
+from ..hub import HubErrorsMixin
+from ..models.adapter import DiffusionAdapter
+from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, derive_seed
+from ..validation import check_checkpoint, check_model_path, check_prompt_column
+from .base_config import DiffusionRLConfig
+from .utils import (
+    activation_checkpointing_disabled,
+    batch_to,
+    check_processing_class,
+    guard_reward_function,
+    linear_layer_names,
+    trl_checkpointing_deprecations_silenced,
+)
+
+logger = logging.getLogger(__name__)
+
+# Per process, in a checkpoint: the rollout round in progress and the counters that drive it.
+ROLLOUT_STATE_NAME = "rollout_state_{}.pt"
+
+# The TRL (and transformers) methods that `TRLContractMixin` overrides, with the parameters of the version it was
+# checked against (TRL 1.16.0, transformers 5.24.0). `tests/test_trl_contract.py` fails when one of them changes.
+TRL_CONTRACT = {  # fmt: skip
+    "_tokenize_prompts": ("self", "prompts"),
+    "_generate_single_turn": (
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
+    ),
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_get_per_token_logps_and_entropies": (
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    ),  # fmt: skip
+    "_prepare_inputs": ("self", "generation_batch"),
+    "_compute_loss": ("self", "model", "inputs"),
+    "training_step": ("self", "model", "inputs", "num_items_in_batch"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_save_rng_state": ("self", "output_dir"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+}
+
+
+TRL_ATTRIBUTES = (
+    "_step",
+    "_buffered_inputs",
+    "_metrics",
+    "_current_train_step_time",
+    "_tokenizer",
+    "pad_to_multiple_of",
+    "eos_token_ids",
+    "num_generations",
+    "num_generations_eval",
+    "num_iterations",
+    "reward_func_names",
+    "ref_model",
+    "_dist",
+)
+
+
+@dataclass
+class RolloutHandoff:
+    """What the contract's overrides hand to each other inside one call of TRL's `_generate_and_score_completions`,
+    where TRL's call order leaves no way to pass data on the batch.
+
+    Args:
+        rollout ([`DiffusionGenerationOutput`], *optional*):
+            The sampler's output (full canvases and commit steps), from `_generate_single_turn`.
+        mask_seeds (`torch.LongTensor` of shape `(batch,)`, *optional*):
+            Per-row seeds of the Monte Carlo masks, from `_generate_single_turn`.
+        scored_rows (`torch.BoolTensor` of shape `(global batch,)`, *optional*):
+            Which completions (gathered over processes) some reward function scored, from `_calculate_rewards`.
+    """
+
+    rollout: DiffusionGenerationOutput | None = None
+    mask_seeds: torch.LongTensor | None = None
+    scored_rows: torch.BoolTensor | None = None
+
+
+class TRLContractMixin:
+    """Every override of a private method of TRL's `GRPOTrainer` (and of transformers' `Trainer`), in one place.
+    Checked against TRL 1.16.0 and transformers 5.24.0 (`TRL_CONTRACT` lists the signatures; a test fails loudly
+    when one changes). It relies on this call order:
+
+    - `_prepare_inputs` (once per micro-batch) calls, once per rollout round, `_generate_and_score_completions`,
+      which calls `_generate` -> `_tokenize_prompts` (truncated to `max_prompt_length` here) and
+      `_generate_single_turn` (the diffusion sampler here; it leaves the full canvases and mask seeds in the
+      handoff), then `_calculate_rewards` (inf rewards unscored, failing reward functions counted, the scored rows
+      left in the handoff), then TRL's advantages, then, for its old and reference log-probs,
+      `_get_per_token_logps_and_entropies` (a zero placeholder here: the trainers score the canvas themselves, in
+      `_score_rollouts`, which this override calls once TRL's method returns, and the placeholders are dropped).
+      State crosses these calls in one place only, `self._rollout_handoff` ([`RolloutHandoff`]), set for the
+      duration of the call.
+    - `_prepare_inputs` then returns TRL's buffered micro-batch, to which this override adds the inner iteration.
+    - `training_step` calls `compute_loss` -> `_compute_loss` (the subclass's objective). TRL's token-level loss,
+      which d1's trainer reuses, calls `_get_per_token_logps_and_entropies` with the model inputs only: the batch
+      it belongs to is lent for that call through `trl_loss_batch` (`self._trl_loss_batch`), and the trainer's
+      `_completion_logps` receives it as an argument. For an objective back-propagated part by part
+      (`backward_in_pieces`), `training_step` is replaced: see its docstring.
+    - `_save_checkpoint`, `_save_rng_state` and `_load_optimizer_and_scheduler` add the model card, the rollout
+      round in progress and the reward-failure counters to checkpoints.
+
+    It also reads and writes these attributes of TRL's trainer (`TRL_ATTRIBUTES`, checked by the same test): the
+    micro-step counter `_step` and the rollout buffer `_buffered_inputs` (resume inside a rollout round),
+    `_metrics` and `_current_train_step_time` (logging), `_tokenizer`, `pad_to_multiple_of`, `eos_token_ids`,
+    `num_generations` / `num_generations_eval`, `num_iterations`, `reward_func_names`, `ref_model` and `_dist`.
+    """
+
+    _rollout_handoff: RolloutHandoff | None = None
+    _trl_loss_batch: dict | None = None
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = self.args.max_prompt_length
+        if limit is not None:
+            # Keep the end of the prompt: the generation prompt of the chat template sits there.
+            prompt_ids = [ids[-limit:] for ids in prompt_ids]
+        return prompt_ids, images, multimodal_fields
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise ValueError("Multimodal prompts are not supported by the diffusion sampler.")
+        rollout, mask_seeds = self.generate_rollout(prompt_ids)
+        self._rollout_handoff.rollout, self._rollout_handoff.mask_seeds = rollout, mask_seeds
+        return cut_at_terminator(rollout.completion_ids, self.eos_token_ids), None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (gathered over processes, NaN where unscored), with infinite rewards unscored too: a single
+        inf would make its group's baseline infinite and every advantage of the group 0. Counts them, and stops a
+        run in which a reward function has scored nothing for `max_consecutive_failed_reward_steps` batches."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = torch.isinf(rewards_per_func)
+        rewards_per_func = rewards_per_func.masked_fill(infinite, float("nan"))
+        mode = "train" if self.model.training else "eval"
+        for index, name in enumerate(self.reward_func_names):
+            self._metrics[mode][f"rewards/{name}/infinite"].append(float(infinite[:, index].sum()))
+        if mode == "train":
+            self._check_failed_reward_functions(torch.isnan(rewards_per_func).all(dim=0).tolist())
+        self._rollout_handoff.scored_rows = ~torch.isnan(rewards_per_func).all(dim=1)
+        return rewards_per_func
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._trl_loss_batch is None:
+            # TRL's old/reference pass over its cut batch at generation time: the trainers compute their own terms on
+            # the generated canvas in `_score_rollouts` instead, so this placeholder is dropped unused.
+            return torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device), None, None
+        return self._completion_logps(
+            model, self._trl_loss_batch, logits_to_keep, compute_entropy=kwargs.get("compute_entropy", False)
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        mode = "train" if self.model.training else "eval"
+        self._rollout_handoff = RolloutHandoff()
+        try:
+            with trl_checkpointing_deprecations_silenced():
+                output = super()._generate_and_score_completions(inputs)
+            handoff = self._rollout_handoff
+        finally:
+            self._rollout_handoff = None
+        if mode == "eval":
+            self._eval_rollouts += 1
+        output.pop("old_per_token_logps", None)
+        output.pop("ref_per_token_logps", None)
+        rollout = handoff.rollout
+        # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
+        output["completion_canvas"] = rollout.completion_ids
+        output["mask_seeds"] = handoff.mask_seeds
+        output["commit_step"] = rollout.commit_step
+        if self.args.leave_one_out:
+            output["advantages"] = self.leave_one_out_advantages(output["advantages"], handoff.scored_rows, mode)
+
+        metrics = self._metrics[mode]
+        metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
+        metrics["diffusion/tokens_per_forward"].append(rollout.tokens_per_forward)
+        for name in self.reward_func_names:
+            metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
+
+        with torch.no_grad(), activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+            output.update(self._score_rollouts(output, mode))
+        return output
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        iteration = 0
+        if self.model.training:
+            iteration = (self._step // self.args.steps_per_generation) % self.num_iterations
+        # The inner iteration keys the Monte Carlo masks: each pass over the same rollouts draws fresh ones.
+        return {**inputs, "inner_iteration": iteration}
+
+    @contextmanager
+    def trl_loss_batch(self, inputs: dict):
+        """Lends `inputs` to `_completion_logps` for the duration of a call of TRL's `_compute_loss`."""
+        self._trl_loss_batch = inputs
+        try:
+            yield
+        finally:
+            self._trl_loss_batch = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's training step, or, for `backward_in_pieces` objectives, one forward and backward per part of the
+        loss, gradients accumulating across parts so that activation memory is that of one part.
+
+        Only the last part of the micro-batch that ends an accumulation cycle synchronises gradients: under DDP the
+        others run in `no_sync` (forward included); under DeepSpeed they are marked as inside the accumulation
+        boundary through accelerate's private `GradientState._set_sync_gradients` (its backward would otherwise
+        step the optimiser after the first part). The piecewise step replaces transformers' `Trainer.training_step`
+        and keeps of it `torch_empty_cache_steps` and the DeepSpeed loss scaling; the trainer refuses at
+        construction what it does not carry over: context parallelism, SageMaker model parallelism and the LOMO /
+        AdaLOMO optimisers (see docs/scaling.md).
+        """
+        if not self.backward_in_pieces:
+            return super().training_step(model, inputs, num_items_in_batch)
+        start = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        is_deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        # GRPO's losses are already divided by the accumulation steps.
+        backward_kwargs = {"scale_wrt_gas": False} if is_deepspeed else {}
+        syncs_this_micro_batch = self.accelerator.sync_gradients
+        num_pieces, losses = self.loss_pieces(model, inputs, "train")
+        total_loss = torch.zeros((), device=self.accelerator.device)
+        try:
+            for index in range(num_pieces):
+                is_last = index == num_pieces - 1
+                if is_deepspeed:
+                    self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch and is_last)
+                # The Trainer already runs non-syncing micro-batches in no_sync; nesting it is not safe under FSDP2.
+                skip_sync = syncs_this_micro_batch and not is_last and not is_deepspeed
+                with self.accelerator.no_sync(model) if skip_sync else nullcontext():
+                    with self.compute_loss_context_manager():
+                        loss = next(losses)
+                    self.accelerator.backward(loss, **backward_kwargs)
+                total_loss += loss.detach()
+            next(losses, None)  # lets the generator finish: its metrics
+        finally:
+            if is_deepspeed:
+                self.accelerator.gradient_state._set_sync_gradients(syncs_this_micro_batch)
+        empty_cache_steps = self.args.torch_empty_cache_steps
+        if empty_cache_steps is not None and self.state.global_step % empty_cache_steps == 0:
+            from accelerate.utils import clear_device_cache
+
+            clear_device_cache()
+
+        # GRPOTrainer.training_step's bookkeeping, which this method replaces: `_step` drives rollout buffering.
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return total_loss
+
+    def _save_checkpoint(self, model, trial):
+        # TRL writes the model card (algorithm, paper, citation) to `output_dir` only. Put a copy in the checkpoint
+        # too, before the weights are saved, so that PEFT adds its adapter metadata to it instead of writing its own.
+        if self.args.should_save:
+            hub_model_id = self.args.hub_model_id
+            name = (
+                hub_model_id.split("/")[-1]
+                if hub_model_id
+                else os.path.basename(os.path.normpath(self.args.output_dir))
+            )
+            self.create_model_card(model_name=name)
+            card = os.path.join(self.args.output_dir, "README.md")
+            checkpoint = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            if os.path.isfile(card):
+                os.makedirs(checkpoint, exist_ok=True)
+                shutil.copyfile(card, os.path.join(checkpoint, "README.md"))
+        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir):
+        # With the random states, and for the same reason: a run resumed inside a rollout round (`num_iterations`
+        # > 1 or `steps_per_generation` > GA) must train on the rest of that round's rollouts, which TRL keeps in
+        # memory only (`_buffered_inputs`), at the inner iteration (`_step`) where the round was left.
+        super()._save_rng_state(output_dir)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        in_round = self._step % generate_every != 0 and self._buffered_inputs is not None
+        state = {
+            "step": self._step,
+            "num_processes": self.accelerator.num_processes,
+            "buffered_inputs": [batch_to(batch, "cpu") for batch in self._buffered_inputs] if in_round else None,
+            "eval_rollouts": self._eval_rollouts,
+            "failed_reward_steps": dict(self._failed_reward_steps),
+        }
+        torch.save(state, os.path.join(output_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called once on every resume, whatever the backend.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(self.accelerator.process_index))
+        if not os.path.isfile(path):
+            logger.warning(
+                "%s has no %s: if it was saved inside a rollout round, the resumed run regenerates that round's "
+                "rollouts and departs from the uninterrupted run.",
+                checkpoint,
+                os.path.basename(path),
+            )
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["num_processes"] != self.accelerator.num_processes:
+            logger.warning(
+                "%s was saved by %d processes and is resumed by %d: the rollout round in progress is regenerated.",
+                checkpoint,
+                state["num_processes"],
+                self.accelerator.num_processes,
+            )
+            return
+        self._step = state["step"]
+        if state["buffered_inputs"] is not None:
+            device = self.accelerator.device
+            self._buffered_inputs = [batch_to(batch, device) for batch in state["buffered_inputs"]]
+        self._eval_rollouts = state["eval_rollouts"]
+        self._failed_reward_steps = dict(state["failed_reward_steps"])
+
+
+def trl_contract_drift() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The overridden TRL methods whose parameters differ from `TRL_CONTRACT`: name -> (expected, installed)."""
+    drift = {}
+    for name, expected in TRL_CONTRACT.items():
+        installed = tuple(inspect.signature(getattr(GRPOTrainer, name)).parameters)
+        if installed != expected:
+            drift[name] = (expected, installed)
+    return drift
+
+
+class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
+    """The shared base of the trl_diffusion RL trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
+
+    It is not an algorithm by itself. What it changes relative to `GRPOTrainer`: completions come from the
+    denoising sampler (`generate_rollout`), whose full canvases, commit steps and per-row mask seeds ride on the
+    batch (`completion_canvas`, `commit_step`, `mask_seeds`); prompts are truncated from the left; a reward function
+    that raises costs its batch, not the run; `leave_one_out` rescales TRL's group advantages; checkpoints keep the
+    rollout round in progress. A subclass defines `_score_rollouts` (what its objective needs from the old and
+    reference policies, computed once per rollout batch under no_grad) and `_compute_loss` (its objective), and,
+    for an objective back-propagated part by part, `backward_in_pieces = True` and `loss_pieces`. `tools`,
+    `rollout_func` and `environment_factory` are refused because the denoiser generates each completion in one
+    piece.
+
+    Args:
+        model (`str` or `PreTrainedModel` or `PeftModel`):
+            A masked diffusion model or the path / Hub id of one (native LLaDA and Dream load without remote code).
+        reward_funcs (`RewardFunc` or `list[RewardFunc]`):
+            TRL reward functions. A function that raises is logged and its batch left unscored (never the run
+            killed); one that returns the wrong number of rewards raises a `ValueError`.
+        args ([`DiffusionRLConfig`], *optional*):
+            Configuration (the subclass's own config class).
+        train_dataset, eval_dataset, processing_class, reward_processing_classes, callbacks, optimizers,
+        quantization_config, peft_config:
+            As in [`~trl.GRPOTrainer`].
+    """
+
+    config_class = DiffusionRLConfig
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
+    _name = "DiffusionRL"
+    # Whether the loss is back-propagated part by part (see `loss_pieces`) instead of in one backward.
+    backward_in_pieces = False
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: DiffusionRLConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        check_processing_class(model, processing_class, type(self).__name__)
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")
+        if not isinstance(args, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.config_class.__name__} (got {type(args).__name__}): its "
+                "sampler and estimator settings drive training."
+            )
+        in_memory = not isinstance(model, str) and not get_config_model_id(model.config)
+        if in_memory and args.beta != 0.0 and peft_config is None and not hasattr(model, "peft_config"):
+            # TRL loads the reference model from the policy's path, and a model built in memory has none.
+            raise ValueError(
+                f"`beta={args.beta}` needs a reference model, which is loaded from the model's path, and this model "
+                "object was built in memory: save it first (`model.save_pretrained(path)` and "
+                "`tokenizer.save_pretrained(path)`) and pass `model=path`, or set `beta=0.0`."
+            )
+        for name, value in (
+            ("tools", tools),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` is not supported: the diffusion sampler denoises each completion in one piece, with no "
+                    "turn-by-turn generation to hook into."
+                )
+        if self.backward_in_pieces:
+            self._check_piecewise_step_support(args)
+        if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise ValueError("`train_dataset` is empty: there are no prompts to train on.")
+        if isinstance(model, str):
+            check_model_path(model, "`model`")
+        check_prompt_column(train_dataset, "train_dataset")
+        eval_datasets = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
+        for key, dataset in eval_datasets.items():
+            check_prompt_column(dataset, f"eval_dataset[{key!r}]" if key else "eval_dataset")
+
+        self._reward_errors: dict[str, int] = {}
+        self._last_reward_error: dict[str, Exception] = {}
+        # Per reward function: consecutive training rollout batches in which it scored no completion.
+        self._failed_reward_steps: dict[str, int] = {}
+        if reward_funcs is not None:
+            reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+            reward_funcs = [
+                guard_reward_function(func, self._record_reward_error)
+                if callable(func) and not isinstance(func, (str, torch.nn.Module))
+                else func
+                for func in reward_funcs
+            ]
+
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                quantization_config=quantization_config,
+                peft_config=peft_config,
+            )
+        except NoMatchingPeftModuleError:
+            written = peft_config.target_modules
+            written = sorted(written) if isinstance(written, (set, frozenset)) else written
+            names = linear_layer_names(model, args.trust_remote_code)
+            raise ValueError(
+                f"The LoRA `target_modules` {written!r} match no layer of the model"
+                + (f"; its linear layers are named {names}" if names else "")
+                + ". Set `target_modules` (`--lora_target_modules`) to some of these names, or to 'all-linear'."
+            ) from None
+
+        adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
+        # One set of terminators for the sampler, the ELBO region and TRL's cut / truncation metrics.
+        terminators = tuple(dict.fromkeys([*adapter.terminator_ids, *self.eos_token_ids]))
+        self.adapter = replace(adapter, terminator_ids=terminators)
+        self.eos_token_ids = list(terminators)
+        self.diffusion_generation_config = args.to_generation_config()
+        context = self.adapter.context_length
+        canvas = args.max_completion_length + (args.max_prompt_length or 0)
+        if context is not None and canvas > context:
+            prompt_part = f"`max_prompt_length` ({args.max_prompt_length}) + " if args.max_prompt_length else ""
+            raise ValueError(
+                f"{prompt_part}`max_completion_length` ({args.max_completion_length}) = {canvas} exceeds the model's "
+                f"context of {context} tokens: lower them so that they sum to at most {context} (prompts are "
+                "truncated from the left to `max_prompt_length`)."
+            )
+        self._eval_rollouts = 0
+
+    @staticmethod
+    def _check_piecewise_step_support(args) -> None:
+        """Refuses the transformers features that the piecewise `training_step` does not carry over."""
+        refused = {
+            "context parallelism (`parallelism_config` with cp_size > 1)": getattr(args, "parallelism_config", None)
+            is not None
+            and getattr(args.parallelism_config, "cp_enabled", False),
+            "SageMaker model parallelism": is_sagemaker_mp_enabled(),
+            f"the `optim={args.optim!r}` optimiser (LOMO / AdaLOMO update inside the backward)": args.optim
+            in (OptimizerNames.LOMO, OptimizerNames.ADALOMO),
+        }
+        for feature, enabled in refused.items():
+            if enabled:
+                raise ValueError(
+                    f"{feature} is not supported by the trainers that back-propagate their loss part by part (BGPO, "
+                    "LFPO): their training step runs one backward per part. Turn it off (see docs/scaling.md)."
+                )
+
+    # ------------------------------------------------------------------ rollouts
+
+    def generate_rollout(self, prompt_ids: list[list[int]]) -> tuple[DiffusionGenerationOutput, torch.LongTensor]:
+        """Denoises one completion per prompt with the rollout policy; returns the sampler's output and the per-row
+        mask seeds. Prompts are left-padded as TRL pads its batch (`prompt_ids` / `prompt_mask`), so the scored
+        canvas lines up with it."""
+        device = self.accelerator.device
+        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(
+            prompt_tensors,
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        attention_mask = pad(
+            [torch.ones_like(ids) for ids in prompt_tensors],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        row_keys = self._rollout_row_keys(len(prompt_ids))
+        generators = [torch.Generator(device=device).manual_seed(derive_seed(key, ROW_SAMPLING)) for key in row_keys]
+        with self.rollout_policy() as policy, torch.no_grad():
+            rollout = generate(
+                policy,
+                input_ids,
+                attention_mask,
+                generation_config=self.diffusion_generation_config,
+                adapter=self.adapter,
+                generator=generators,
+                progress_bar=self.args.generation_progress_bar,
+            )
+        mask_seeds = torch.tensor([derive_seed(key, ROW_MASKS) >> 2 for key in row_keys], dtype=torch.long)
+        return rollout, mask_seeds.to(device)
+
+    def _rollout_row_keys(self, num_rows: int) -> list[int]:
+        """One key per rollout row, from (seed, the rollout's place in training, the row's global index)."""
+        if self.model.training:
+            # The micro-batch's index within its optimiser step, not the raw `_step` counter: `_step` restarts at 0
+            # when training resumes from a checkpoint, and the resumed run must draw the rollouts it would have drawn.
+            micro_batch = self._step % self.args.gradient_accumulation_steps
+            rollout_key = derive_seed(self.args.seed, ROLLOUT_TRAIN, self.state.global_step, micro_batch)
+        else:
+            rollout_key = derive_seed(self.args.seed, ROLLOUT_EVAL, self.state.global_step, self._eval_rollouts)
+        first_row = self.accelerator.process_index * num_rows
+        return [derive_seed(rollout_key, first_row + row) for row in range(num_rows)]
+
+    @contextmanager
+    def rollout_policy(self):
+        """The model that generates rollouts: the trained policy, unwrapped for generation inside TRL's context
+        managers (activation checkpointing off, ZeRO-3 parameters gathered once for the whole denoising loop)."""
+        with (
+            trl_checkpointing_deprecations_silenced(),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.activation_checkpointing_kwargs,
+            ) as unwrapped_model,
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            yield unwrapped_model
+
+    # ------------------------------------------------------------------ rewards and advantages
+
+    def _record_reward_error(self, name: str, error: Exception) -> None:
+        self._reward_errors[name] = self._reward_errors.get(name, 0) + 1
+        self._last_reward_error[name] = error
+        logger.warning(
+            "Reward function %r raised %s: %s. Its rewards for this batch are left unscored (None).",
+            name,
+            type(error).__name__,
+            error,
+        )
+
+    def _check_failed_reward_functions(self, failed: list[bool]) -> None:
+        """Counts, per reward function, the consecutive rollout batches in which it scored no completion (the same on
+        every process: the rewards are gathered), and raises once a count reaches the configured limit."""
+        limit = self.args.max_consecutive_failed_reward_steps
+        for name, failed_now in zip(self.reward_func_names, failed):
+            self._failed_reward_steps[name] = self._failed_reward_steps.get(name, 0) + 1 if failed_now else 0
+            if not failed_now:
+                self._last_reward_error.pop(name, None)
+            if limit is None or self._failed_reward_steps[name] < limit:
+                continue
+            last_error = self._last_reward_error.get(name)
+            cause = (
+                f"its last error: {type(last_error).__name__}: {last_error}"
+                if last_error is not None
+                else "it returned None, NaN or inf for every completion"
+            )
+            raise RuntimeError(
+                f"The reward function {name!r} scored no completion in {limit} consecutive rollout batches ({cause}), "
+                "so training would learn nothing from it. Fix the reward function, or raise "
+                "`max_consecutive_failed_reward_steps` (None never stops) if it may skip whole batches."
+            )
+
+    def leave_one_out_advantages(
+        self, advantages: torch.Tensor, scored_rows: torch.BoolTensor, mode: str
+    ) -> torch.Tensor:
+        """TRL's group-mean advantages of this process's rows turned into leave-one-out ones.
+
+        TRL's baseline is the mean of the G_s scored completions of the group (unscored ones get advantage 0), and
+        `r_i - mean_{j != i} r_j = G_s/(G_s-1) * (r_i - mean_j r_j)` over those G_s.
+
+        Args:
+            advantages (`torch.Tensor` of shape `(batch,)`):
+                This process's advantages.
+            scored_rows (`torch.BoolTensor` of shape `(global batch,)`):
+                Which completions, gathered over processes, some reward function scored.
+            mode (`str`):
+                `"train"` or `"eval"` (the group sizes differ).
+        """
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        scored = scored_rows.view(-1, group_size).sum(dim=1).repeat_interleave(group_size).float()
+        factor = torch.where(scored > 1, scored / (scored - 1).clamp(min=1), torch.ones_like(scored))
+        start = self.accelerator.process_index * advantages.shape[0]
+        return advantages * factor[start : start + advantages.shape[0]].to(advantages.device)
+
+    # ------------------------------------------------------------------ what a subclass defines
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        """Computes, under no_grad and once per rollout batch, what the objective needs from the old and reference
+        policies. Returns batch-first tensors to add to the batch. The base class needs nothing."""
+        return {}
+
+    def _completion_logps(self, model, inputs: dict, logits_to_keep: int, compute_entropy: bool = False):
+        """Per-token log-probs (and entropies) of the completions of `inputs` for TRL's token-level loss, as TRL's
+        `_get_per_token_logps_and_entropies` returns them. Only trainers that reuse TRL's loss define it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} computes its own loss and does not score completions for TRL's token-level loss."
+        )
+
+    def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
+        """For objectives that are a sum of parts each depending on its own forward pass (BGPO: Monte Carlo
+        samples; LFPO: groups of trajectory states): the number of parts and a generator yielding each part's loss,
+        already scaled so that the parts sum to the micro-batch loss. Code after the generator's last `yield` runs
+        once every part is done (metrics). Used by `training_step` when `backward_in_pieces` is set, and by the
+        subclasses' `_compute_loss` (evaluation) as `sum(losses)`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared helpers of the objectives
+
+    @torch.no_grad()
+    def old_and_reference_scores(self, inputs: dict, mode: str, score, name: str) -> dict:
+        """What the objective needs from the old policy (only when rollouts are reused) and the reference policy
+        (only when `beta != 0`), for every inner iteration, in chunks of the training micro-batch size.
+
+        Args:
+            inputs (`dict`):
+                The rollout batch.
+            mode (`str`):
+                `"train"` or `"eval"`.
+            score (`Callable[[model, chunk, iteration], torch.Tensor]`):
+                The per-row scores of one chunk of rows (a dict of the batch's row-aligned tensors) under one model.
+            name (`str`):
+                The scores are returned as `old_<name>` / `ref_<name>`, shape `(batch, num_iterations, ...)`.
+        """
+        needs = {"old": mode == "train" and self.is_off_policy, "ref": self.beta != 0.0}
+        policies = {"old": nullcontext(self.model), "ref": self.reference_model()}
+        num_rows = inputs["completion_canvas"].shape[0]
+        chunk_size = self.args.per_device_train_batch_size
+        row_aligned = [key for key, value in inputs.items() if torch.is_tensor(value) and value.dim() > 0]
+        row_aligned = [key for key in row_aligned if inputs[key].shape[0] == num_rows]
+        chunks = [
+            {key: inputs[key][start : start + chunk_size] for key in row_aligned}
+            for start in range(0, num_rows, chunk_size)
+        ]
+        scored = {}
+        for prefix, needed in needs.items():
+            if not needed:
+                continue
+            with policies[prefix] as model:
+                per_iteration = [
+                    torch.cat([score(model, chunk, iteration) for chunk in chunks])
+                    for iteration in range(self.num_iterations_for(mode))
+                ]
+            scored[f"{prefix}_{name}"] = torch.stack(per_iteration, dim=1)
+        return scored
+
+    def completion_weights(self, inputs: dict) -> torch.Tensor:
+        """Per row, 1 if the loss counts the completion and 0 if `mask_truncated_completions` drops it (TRL then
+        zeroes the completion mask of a completion with no terminator), shape `(batch,)`. The loss keeps its divisor:
+        a dropped completion contributes 0, as in TRL's per-sequence losses."""
+        completion_mask = inputs["completion_mask"]
+        if not self.args.mask_truncated_completions:
+            return torch.ones(completion_mask.shape[0], device=completion_mask.device)
+        return completion_mask.any(dim=1).float()
+
+    def loss_scale(self, mode: str) -> float:
+        """Divisor of a micro-batch loss: the gradient accumulation steps in training (GRPO's convention), 1 in eval."""
+        return float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
+
+    @property
+    def is_off_policy(self) -> bool:
+        """Whether the policy that is updated may differ from the one that generated the rollouts (rollouts are
+        reused across optimiser steps), so that old-policy terms must be computed at generation time (TRL's rule)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0
+
+    def num_iterations_for(self, mode: str) -> int:
+        return self.num_iterations if mode == "train" else 1
+
+    @contextmanager
+    def reference_model(self):
+        """The reference policy: the separate reference model, or the trained model with its adapter disabled (or
+        switched to the initial "ref" adapter) under PEFT, as TRL does."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            yield self.model
+
+    def rollout_inputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(prompt_ids, prompt_mask, completion_canvas)` of a batch: what the likelihood estimators score."""
+        return inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_canvas"]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """TRL's `train`, after checking the checkpoint it resumes from: a truncated weights file or an unreadable
+        `trainer_state.json` raises an error naming the file, a missing `optimizer.pt` logs a warning."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if isinstance(checkpoint, (str, os.PathLike)):
+            check_checkpoint(os.fspath(checkpoint))
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )

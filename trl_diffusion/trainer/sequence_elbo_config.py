@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ..masking import LENGTH_NORMS, SAMPLERS
+from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
+
+
+@dataclass
+class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
+    r"""
+    Configuration shared by the trainers whose likelihood proxy is a sequence-level Monte Carlo ELBO (VRPO, BGPO,
+    ESPO): [`DiffusionRLConfig`] plus the estimator and the sequence ratio.
+
+    Parameters of the Monte Carlo ELBO estimator:
+
+        num_mc_samples (`int`, *optional*, defaults to `1`):
+            Monte Carlo samples n_t of the ELBO per completion (pairs for the `coupled` sampler).
+        mask_sampler (`str`, *optional*, defaults to `"stratified"`):
+            How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t` or `stratified_t`.
+        elbo_region (`str`, *optional*, defaults to `"canvas"`):
+            Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
+            including the first terminator).
+        length_norm (`str`, *optional*, defaults to `"canvas"`):
+            Divisor N of ELBO differences: `none`, `canvas` (L) or `answer` (answer length).
+        timestep_eps (`float`, *optional*, defaults to `1e-3`):
+            Smallest timestep of the `uniform_t` and `stratified_t` samplers.
+
+    Parameters of the sequence ratio:
+
+        clip_sequence_ratio (`bool`, *optional*, defaults to `False`):
+            Clip the sequence ratio PPO-style, `-min(rho*A, clip(rho, 1-epsilon, 1+epsilon_high)*A)`; off, the
+            objective is the unclipped `-rho*A`.
+
+    Of TRL's loss options, these act on the sequence ratio rho: `epsilon`, `epsilon_high` and `delta` (two-sided
+    clipping, `min(rho, delta)` in the unclipped term) with `clip_sequence_ratio`, `off_policy_mask_threshold`
+    (DeepSeek-V3.2's off-policy sequence mask: a completion with A < 0 and `(B_old - B_theta) / N` above it is left
+    out), `mask_truncated_completions` (completions without a terminator are left out) and `beta`. TRL's token-level
+    options (`loss_type`, `importance_sampling_level`, entropy masking and bonus, the `sapo_*` / `vespo_*` fields)
+    and `use_bias_correction_kl=True` are refused: the objective is one loss per completion.
+    """
+
+    num_mc_samples: int = field(
+        default=1, metadata={"help": "Monte Carlo samples of the ELBO per completion (pairs for `coupled`)."}
+    )
+    mask_sampler: str = field(
+        default="stratified", metadata={"help": "How the Monte Carlo masks are drawn.", "choices": list(SAMPLERS)}
+    )
+    length_norm: str = field(
+        default="canvas",
+        metadata={"help": "Divisor of ELBO differences: none, canvas (L) or answer.", "choices": list(LENGTH_NORMS)},
+    )
+    timestep_eps: float = field(
+        default=1e-3, metadata={"help": "Smallest timestep of the uniform_t and stratified_t samplers."}
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={"help": "Not available: the sequence KL is not importance-weighted (TRL's k3 correction)."},
+    )
+    clip_sequence_ratio: bool = field(
+        default=False,
+        metadata={"help": "Clip the sequence ratio PPO-style with epsilon / epsilon_high (off: unclipped rho*A)."},
+    )
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **DiffusionRLConfig.unsupported_fields,
+        **refused_token_loss_fields("the sequence-level ELBO loss"),
+        "use_bias_correction_kl": (
+            (False,),
+            "TRL's correction weights its per-token k3 KL by the token ratio; the sequence KL here is not "
+            "importance-weighted",
+        ),
+    }
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_mc_samples < 1:
+            raise ValueError(f"`num_mc_samples` must be at least 1, got {self.num_mc_samples}.")
+        if not 0.0 < self.timestep_eps < 1.0:
+            raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
+        for name, choices in (("mask_sampler", SAMPLERS), ("length_norm", LENGTH_NORMS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
+        if not self.clip_sequence_ratio:
+            for name, default in (("epsilon", 0.2), ("epsilon_high", None), ("delta", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"`{name}={getattr(self, name)!r}` only acts on the clipped objective: set "
+                        f"`clip_sequence_ratio=True`, or leave `{name}` at {default!r}."
+                    )

@@ -1,0 +1,119 @@
+"""Helpers of the trainer layer: the reward-function guard, checks of the trainer arguments, and context managers
+around TRL's and transformers' activation checkpointing."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import numbers
+import warnings
+from contextlib import contextmanager
+
+import torch
+from trl.trainer.utils import get_config_model_id
+
+
+def guard_reward_function(func, on_error):
+    """Wraps a reward function so that an exception costs its batch (rewards `None`, i.e. unscored) instead of the
+    run, and a wrong number of rewards raises a clear error. Keeps the name and the sync/async nature TRL reads."""
+
+    def checked(rewards, kwargs):
+        expected = len(kwargs["prompts"])
+        if rewards is not None and len(rewards) != expected:
+            raise ValueError(
+                f"The reward function {func.__name__!r} returned {len(rewards)} rewards for {expected} completions: "
+                "it must return one reward (or None) per completion."
+            )
+        for index, reward in enumerate(rewards or []):
+            if reward is not None and not isinstance(reward, (numbers.Real, torch.Tensor)):
+                raise ValueError(
+                    f"The reward function {func.__name__!r} returned {reward!r} ({type(reward).__name__}) for "
+                    f"completion {index}: a reward must be a number, or None for a completion it does not score "
+                    "(convert it, e.g. `float(...)`)."
+                )
+        return rewards
+
+    if asyncio.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def guarded_async(*args, **kwargs):
+            try:
+                rewards = await func(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - any failure of user code costs one batch, not the run
+                on_error(func.__name__, error)
+                return [None] * len(kwargs["prompts"])
+            return checked(rewards, kwargs)
+
+        return guarded_async
+
+    @functools.wraps(func)
+    def guarded(*args, **kwargs):
+        try:
+            rewards = func(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure of user code costs one batch, not the run
+            on_error(func.__name__, error)
+            return [None] * len(kwargs["prompts"])
+        return checked(rewards, kwargs)
+
+    return guarded
+
+
+def check_processing_class(model, processing_class, trainer_name: str) -> None:
+    """Raises a clear error where TRL would try to load a tokenizer from an empty model id: a model object built in
+    memory (such as `build_tiny_llada(tokenizer)`) has no path to load one from."""
+    if processing_class is None and not isinstance(model, str) and not get_config_model_id(model.config):
+        raise ValueError(
+            f"{trainer_name} got a model object without a path to load its tokenizer from (it was built in memory, "
+            "not loaded with `from_pretrained`): pass the tokenizer too, as `processing_class=tokenizer`."
+        )
+
+
+def linear_layer_names(model, trust_remote_code: bool = False) -> list[str] | None:
+    """The distinct names of the linear layers of `model` (a model, or a path / Hub id built on the meta device), the
+    names LoRA's `target_modules` match; None when they cannot be listed."""
+    try:
+        if isinstance(model, str):
+            from accelerate import init_empty_weights
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            with init_empty_weights():
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
+    except (OSError, ValueError, ImportError):
+        return None
+
+
+@contextmanager
+def activation_checkpointing_disabled(model, activation_checkpointing_kwargs: dict | None = None):
+    """TRL's `disable_gradient_checkpointing` under transformers 5's names (the old ones raise FutureWarnings):
+    activation checkpointing is off inside the context and restored after it."""
+    enabled = model.is_activation_checkpointing
+    if enabled:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs)
+
+
+@contextmanager
+def trl_checkpointing_deprecations_silenced():
+    """Silences the FutureWarnings of transformers' deprecated `gradient_checkpointing*` names that TRL 1.16 calls
+    inside its generation and scoring (`unwrap_model_for_generation`, `disable_gradient_checkpointing`): TRL's to
+    rename, and nothing a user can act on. Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated",
+            category=FutureWarning,
+        )
+        yield
+
+
+def batch_to(batch: dict, device) -> dict:
+    """A batch dict with its tensors moved to `device` (other values kept)."""
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in batch.items()}
