@@ -204,15 +204,6 @@ class MaskPlan:
     def num_mc_samples(self) -> int:
         return self.masks.shape[1]
 
-    def select(self, rows: slice | torch.Tensor) -> MaskPlan:
-        """The plan of a subset of the rows (e.g. one micro-batch chunk)."""
-        return MaskPlan(
-            masks=self.masks[rows],
-            weights=self.weights[rows],
-            complement_masks=None if self.complement_masks is None else self.complement_masks[rows],
-            complement_weights=None if self.complement_weights is None else self.complement_weights[rows],
-        )
-
 
 def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, generator: torch.Generator) -> list:
     """The per-completion part of a plan: each sample's mask size or timestep."""
