@@ -435,6 +435,13 @@ class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
         environment_factory=None,
     ):
         check_processing_class(model, processing_class, type(self).__name__)
+        drift = trl_contract_drift()
+        if drift:
+            logger.warning(
+                "The installed TRL changed methods that trl_diffusion overrides (checked against TRL 1.16.0): %s. "
+                "Install the pinned version (`pip install 'trl==1.16.*'`).",
+                ", ".join(sorted(drift)),
+            )
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")

@@ -1,0 +1,64 @@
+"""The TRL contract: every TRL (and transformers) private method the trainers override is listed in `TRL_CONTRACT`
+with the signature it was checked against, and the TRL attributes they use exist. These fail loudly when TRL
+changes under the package (the pin is `trl==1.16.*`)."""
+
+import inspect
+
+import pytest
+from helpers import tiny_grpo_config, tiny_trainer
+from trl import GRPOTrainer
+
+from trl_diffusion.trainer import (
+    BGPOConfig,
+    BGPOTrainer,
+    DiffuGRPOTrainer,
+    DiffusionRLTrainer,
+    ESPOTrainer,
+    LFPOTrainer,
+    VRPOTrainer,
+)
+from trl_diffusion.trainer import base_trainer
+from trl_diffusion.trainer.base_trainer import TRL_ATTRIBUTES, TRL_CONTRACT, TRLContractMixin, trl_contract_drift
+
+TRAINER_CLASSES = [DiffusionRLTrainer, DiffuGRPOTrainer, VRPOTrainer, BGPOTrainer, ESPOTrainer, LFPOTrainer]
+
+
+def test_installed_trl_matches_the_recorded_signatures():
+    assert trl_contract_drift() == {}
+
+
+def test_a_changed_trl_signature_is_reported(monkeypatch):
+    def renamed_parameter(self, prompt_batch):  # TRL renaming `prompts`
+        return prompt_batch
+
+    monkeypatch.setattr(GRPOTrainer, "_tokenize_prompts", renamed_parameter)
+    assert trl_contract_drift() == {"_tokenize_prompts": (("self", "prompts"), ("self", "prompt_batch"))}
+
+
+@pytest.mark.parametrize("trainer_class", TRAINER_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_override_of_a_trl_method_is_in_the_contract(trainer_class):
+    """A trainer that starts overriding another private TRL method must record it (and its call order) in
+    `TRL_CONTRACT` and `TRLContractMixin`'s docstring."""
+    trl_methods = {name for cls in GRPOTrainer.__mro__ for name in vars(cls) if name.startswith("_")}
+    overridden = {
+        name
+        for name, value in vars(trainer_class).items()
+        if name in trl_methods and not name.startswith("__") and inspect.isfunction(value)
+    }
+    assert overridden <= set(TRL_CONTRACT), overridden - set(TRL_CONTRACT)
+
+
+def test_the_mixin_overrides_exactly_the_recorded_methods():
+    shared = {name for name in vars(TRLContractMixin) if name in TRL_CONTRACT}
+    # `_compute_loss` is each algorithm's objective, not the mixin's.
+    assert shared == set(TRL_CONTRACT) - {"_compute_loss"}
+
+
+def test_the_trl_attributes_the_trainers_use_exist(tiny_llada_dir, tmp_path):
+    trainer = tiny_trainer(BGPOTrainer, tiny_llada_dir, tiny_grpo_config(BGPOConfig, tmp_path, num_mc_samples=2))
+    missing = [name for name in TRL_ATTRIBUTES if not hasattr(trainer, name)]
+    assert missing == []
+
+
+def test_the_contract_names_the_checked_versions():
+    assert "TRL 1.16.0" in TRLContractMixin.__doc__ and "TRL 1.16.0" in inspect.getsource(base_trainer)
