@@ -5,7 +5,6 @@ changes under the package (the pin is `trl==1.16.*`)."""
 import inspect
 
 import pytest
-from helpers import tiny_grpo_config, tiny_trainer
 from trl import GRPOTrainer
 
 from trl_diffusion.trainer import (
@@ -16,9 +15,11 @@ from trl_diffusion.trainer import (
     ESPOTrainer,
     LFPOTrainer,
     VRPOTrainer,
+    base_trainer,
 )
-from trl_diffusion.trainer import base_trainer
 from trl_diffusion.trainer.base_trainer import TRL_ATTRIBUTES, TRL_CONTRACT, TRLContractMixin, trl_contract_drift
+
+from helpers import tiny_grpo_config, tiny_trainer
 
 TRAINER_CLASSES = [DiffusionRLTrainer, DiffuGRPOTrainer, VRPOTrainer, BGPOTrainer, ESPOTrainer, LFPOTrainer]
 
