@@ -8,7 +8,7 @@ defaults). The paper applies this one configuration to every task and model.
 Not given by the paper, and chosen here: the number of prompts per step (16, as the other recipes: 10 completions
 per device x 2 accumulation steps x 8 GPUs = 160 = 16 prompts x 10), the rollout sampler (blocks of 32, 256 steps for
 512 tokens, as the other recipes; the paper's Table 8 preset, cosine schedule with confidence threshold 0.99 and a
-3-step stable-prediction stop, is its inference setting: `trl_diffusion.generation.lfpo_inference_config`, or
+3-step stable-prediction stop, is its inference setting: `trl_diffusion.lfpo_inference_config`, or
 `trl-diffusion eval --max_completion_length 512 --schedule cosine --threshold 0.99 --stop_patience 3`), the training
 length (`max_steps=500`) and full fine-tuning. The paper's reasoning experiments start from LLaDA 8B (its Table 10 says
 the base checkpoint); this recipe uses LLaDA-8B-Instruct, as the built-in tasks' prompts are chat conversations.

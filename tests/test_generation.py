@@ -14,6 +14,7 @@ from trl_diffusion.generation import (
     num_transfer_tokens,
 )
 from trl_diffusion.models import DiffusionAdapter
+from trl_diffusion.trainer.lfpo_config import lfpo_inference_config
 
 PROMPTS = ["hi", "what is 2+2?", "tell me a story about cats"]
 
@@ -349,9 +350,9 @@ def test_stop_patience_commits_a_stable_prediction_and_only_then():
 
 
 def test_lfpo_inference_preset():
-    config = generation.lfpo_inference_config(max_completion_length=64, block_length=32)
+    config = lfpo_inference_config(max_completion_length=64, block_length=32)
     assert (config.schedule, config.threshold, config.stop_patience) == ("cosine", 0.99, 3)
-    assert generation.lfpo_inference_config(max_completion_length=64, threshold=0.9).threshold == 0.9
+    assert lfpo_inference_config(max_completion_length=64, threshold=0.9).threshold == 0.9
 
 
 def test_guidance_is_one_batched_call_with_the_prompt_masked():
@@ -488,3 +489,17 @@ def test_cut_at_terminator_keeps_the_first_terminator():
     completions = torch.tensor([[4, EOS, 5, EOS], [4, 5, 6, 7], [EOT, 4, EOS, 5]])
     assert completion_lengths(completions, (EOS, EOT)).tolist() == [2, 4, 1]
     assert cut_at_terminator(completions, (EOS, EOT)) == [[4, EOS], [4, 5, 6, 7], [EOT]]
+
+
+def test_renamed_sampler_settings_still_work_with_a_warning():
+    with pytest.warns(
+        FutureWarning, match="`DiffusionGenerationConfig.gen_length` is renamed `max_completion_length`"
+    ):
+        config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=8, cache="prefix")
+    assert (config.max_completion_length, config.diffusion_steps, config.generation_cache) == (16, 8, "prefix")
+    with pytest.warns(FutureWarning, match="renamed `diffusion_steps`"):
+        assert config.steps == 8
+    with pytest.raises(TypeError, match="both `gen_length` and its new name `max_completion_length`"):
+        DiffusionGenerationConfig(gen_length=16, max_completion_length=16)
+    with pytest.warns(FutureWarning, match="moved to `trl_diffusion.trainer.lfpo_config`"):
+        assert generation.lfpo_inference_config is lfpo_inference_config

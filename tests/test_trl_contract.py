@@ -63,3 +63,10 @@ def test_the_trl_attributes_the_trainers_use_exist(tiny_llada_dir, tmp_path):
 
 def test_the_contract_names_the_checked_versions():
     assert "TRL 1.16.0" in TRLContractMixin.__doc__ and "TRL 1.16.0" in inspect.getsource(base_trainer)
+
+
+def test_the_old_names_of_the_base_still_resolve_with_a_warning():
+    import trl_diffusion
+
+    with pytest.warns(FutureWarning, match="`DiffusionGRPOTrainer` is renamed `DiffusionRLTrainer`"):
+        assert trl_diffusion.DiffusionGRPOTrainer is DiffusionRLTrainer

@@ -58,6 +58,7 @@ _import_structure = {
         "LFPOTrainer",
         "VRPOConfig",
         "VRPOTrainer",
+        "lfpo_inference_config",
     ],
 }
 _LAZY_IMPORTS = {name: module for module, names in _import_structure.items() for name in names}
@@ -111,4 +112,5 @@ if TYPE_CHECKING:
         LFPOTrainer,
         VRPOConfig,
         VRPOTrainer,
+        lfpo_inference_config,
     )

@@ -791,26 +791,6 @@ def generate(
     )
 
 
-def lfpo_inference_config(
-    max_completion_length: int = 512, block_length: int = 32, **overrides
-) -> DiffusionGenerationConfig:
-    """LFPO's inference preset: the cosine schedule, confidence-threshold decoding at 0.99, and a stop once the
-    whole predicted completion has been the same for 3 consecutive steps (the paper reports ~20% fewer steps).
-
-    Args:
-        max_completion_length (`int`, defaults to `512`):
-            Completion canvas length (the paper's generation length).
-        block_length (`int`, defaults to `32`):
-            Semi-autoregressive block length.
-        overrides:
-            Any other [`DiffusionGenerationConfig`] field, taking precedence over the preset.
-    """
-    preset = {"schedule": "cosine", "threshold": 0.99, "stop_patience": 3}
-    return DiffusionGenerationConfig(
-        max_completion_length=max_completion_length, block_length=block_length, **{**preset, **overrides}
-    )
-
-
 def completion_lengths(completion_ids: torch.LongTensor, terminator_ids: Sequence[int]) -> torch.LongTensor:
     """Length of each completion up to and including its first terminator (the full length when it has none).
 
@@ -852,6 +832,21 @@ __all__ = [
     "completion_lengths",
     "cut_at_terminator",
     "generate",
-    "lfpo_inference_config",
     "num_transfer_tokens",
 ]
+
+
+def __getattr__(name: str):
+    if name == "lfpo_inference_config":  # moved next to its algorithm
+        import warnings
+
+        from .trainer.lfpo_config import lfpo_inference_config
+
+        warnings.warn(
+            "`trl_diffusion.generation.lfpo_inference_config` moved to `trl_diffusion.trainer.lfpo_config`; the old "
+            "path will be removed in a future release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return lfpo_inference_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
 from .espo_config import ESPOConfig
 from .espo_trainer import ESPOTrainer
-from .lfpo_config import LFPOConfig
+from .lfpo_config import LFPOConfig, lfpo_inference_config
 from .lfpo_trainer import LFPOTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 from .sequence_elbo_trainer import SequenceELBOTrainer
@@ -34,6 +34,7 @@ __all__ = [
     "SequenceELBOTrainer",
     "VRPOConfig",
     "VRPOTrainer",
+    "lfpo_inference_config",
     "DataCollatorForDiffusionSFT",
     "DiffusionSFTConfig",
     "DiffusionSFTTrainer",
