@@ -41,24 +41,34 @@ def sampler_field(name: str, default=None, note: str | None = None):
     return field(default=source.default if default is None else default, metadata=metadata)
 
 
+def _trl_defaults(reasons: dict[str, str]) -> dict[str, tuple[tuple, str]]:
+    """`unsupported_fields` entries that keep each named GRPOConfig field at TRL's default, for the given reasons
+    (name or space-separated names -> why)."""
+    defaults = GRPOConfig.__dataclass_fields__
+    return {name: ((defaults[name].default,), reason) for names, reason in reasons.items() for name in names.split()}
+
+
 def refused_token_loss_fields(objective: str) -> dict[str, tuple[tuple, str]]:
     """Entries of a config's `unsupported_fields` for TRL's token-level loss options, which an objective that computes
     its own loss (VRPO, BGPO, ESPO, LFPO) cannot honour: each keeps only TRL's default. `objective` names the loss in
     the messages (e.g. "the sequence-level ELBO loss")."""
-    groups = {
-        "loss_type importance_sampling_level": f"{objective} is not one of TRL's token-level losses",
-        "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg": (
-            f"a parameter of TRL's `sapo` / `vespo` loss types, which {objective} is not"
-        ),
-        "top_entropy_quantile": f"TRL's entropy mask selects the tokens of its token-level loss; {objective} has no "
-        "per-token policy term",
-        "entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target": (
-            f"TRL's entropy bonus is a term of its token-level loss, which {objective} replaces"
-        ),
-        "router_aux_loss_coef": f"{objective} adds no Mixture-of-Experts router loss",
-    }
-    defaults = GRPOConfig.__dataclass_fields__
-    return {name: ((defaults[name].default,), reason) for names, reason in groups.items() for name in names.split()}
+    return _trl_defaults(
+        {
+            "loss_type importance_sampling_level": f"{objective} is not one of TRL's token-level losses",
+            "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg": (
+                f"a parameter of TRL's `sapo` / `vespo` loss types, which {objective} is not"
+            ),
+            "top_entropy_quantile": f"TRL's entropy mask selects the tokens of its token-level loss; {objective} has no "
+            "per-token policy term",
+            "entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target": (
+                f"TRL's entropy bonus is a term of its token-level loss, which {objective} replaces"
+            ),
+            "router_aux_loss_coef": f"{objective} adds no Mixture-of-Experts router loss",
+        }
+    )
+
+
+_VLLM_FIELDS = " ".join(name for name in GRPOConfig.__dataclass_fields__ if name.startswith("vllm_"))
 
 
 @dataclass
@@ -145,6 +155,18 @@ class DiffusionRLConfig(GRPOConfig):
         "top_k": ((0, None), "the diffusion sampler samples with `temperature` only"),
         "min_p": ((None, 0.0), "the diffusion sampler samples with `temperature` only"),
         "repetition_penalty": ((1.0,), "the diffusion sampler samples with `temperature` only"),
+        **_trl_defaults(
+            {
+                _VLLM_FIELDS: "a setting of TRL's vLLM generation, which the diffusion trainers do not use",
+                "generation_kwargs": "the diffusion sampler's settings are this config's own fields "
+                "(`block_length`, `diffusion_steps`, ...)",
+                "cache_implementation": "an autoregressive key/value cache setting; the sampler's cache is "
+                "`generation_cache`",
+                "use_transformers_paged transformers_continuous_batching_config": "transformers' autoregressive "
+                "batched generation is not used",
+                "max_tool_calling_iterations": "tool calling is not supported by the diffusion sampler",
+            }
+        ),
     }
 
     def __post_init__(self):

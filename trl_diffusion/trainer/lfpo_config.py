@@ -113,6 +113,11 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
             (None,),
             "LFPO estimates no likelihood, hence no KL to the old policy to mask on",
         ),
+        # With `beta` 0 there is no KL term and no reference model: TRL's settings of both do nothing.
+        "use_bias_correction_kl": ((True, False), "LFPO has no KL term"),
+        "sync_ref_model": ((False,), "LFPO has no reference model (its old policy is an EMA: `ema_alpha`)"),
+        "ref_model_mixup_alpha": ((0.6,), "LFPO has no reference model"),
+        "ref_model_sync_steps": ((512,), "LFPO has no reference model"),
     }
 
     def __post_init__(self):
