@@ -132,6 +132,27 @@ def unknown_name_message(kind: str, name: str, known: tuple[str, ...] | list[str
     return f"Unknown {kind} {name!r}{hint}; available {kind}s: {', '.join(known)}."
 
 
+def choose_config_defaults(config) -> None:
+    """Run first in the `__post_init__` of the package's configs (before `TrainingArguments.__post_init__`): TRL's
+    default `gradient_checkpointing=True` under transformers 5's name (which does not warn), then
+    [`choose_precision_defaults`] and [`choose_progress_defaults`]."""
+    if config.activation_checkpointing is None:
+        config.activation_checkpointing, config.gradient_checkpointing = config.gradient_checkpointing, None
+    choose_precision_defaults(config)
+    choose_progress_defaults(config)
+
+
+def check_unsupported_fields(config, owner: str) -> None:
+    """Raises on a field of `config.unsupported_fields` (name -> (accepted values, why)) set to another value,
+    naming the field, why `owner` refuses it and the value to leave it at."""
+    for name, (allowed, reason) in config.unsupported_fields.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(
+                f"`{name}={getattr(config, name)!r}` is not supported by {owner} ({reason}). Leave `{name}` at "
+                f"{allowed[0]!r}."
+            )
+
+
 def choose_precision_defaults(config) -> None:
     """Run before `TrainingArguments.__post_init__` on a config whose `bf16` TRL defaults to on: on a machine without
     a bfloat16 accelerator, an unset `bf16` becomes `False` (float32 on the CPU, with a logged notice) instead of

@@ -11,7 +11,7 @@ from trl import GRPOConfig
 
 from ..generation import DiffusionGenerationConfig
 from ..masking import ELBO_REGIONS
-from ..validation import choose_precision_defaults, choose_progress_defaults
+from ..validation import check_unsupported_fields, choose_config_defaults
 
 # The sampler settings a trainer config carries, under the sampler's own names. `max_completion_length` and
 # `temperature` are also TRL's fields: the sampler reads TRL's values, as TRL's `GRPOConfig` flattens its own
@@ -170,18 +170,9 @@ class DiffusionRLConfig(GRPOConfig):
     }
 
     def __post_init__(self):
-        # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
-        choose_precision_defaults(self)
-        choose_progress_defaults(self)
+        choose_config_defaults(self)
         super().__post_init__()
-        for name, (allowed, reason) in self.unsupported_fields.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"`{name}={getattr(self, name)!r}` is not supported by trl_diffusion ({reason}). Leave `{name}` "
-                    f"at {allowed[0]!r}."
-                )
+        check_unsupported_fields(self, "trl_diffusion")
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError("`max_completion_length` (the canvas length L) must be a positive integer.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:

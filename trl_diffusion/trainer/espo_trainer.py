@@ -4,10 +4,10 @@ import textwrap
 import torch
 
 from .espo_config import ESPOConfig
-from .sequence_elbo_trainer import SequenceELBOTrainer
+from .vrpo_trainer import VRPOTrainer
 
 
-class ESPOTrainer(SequenceELBOTrainer):
+class ESPOTrainer(VRPOTrainer):
     r"""ELBO-based Sequence-level Policy Optimization for masked diffusion language models.
 
     The whole completion is one action. With coupled (antithetic) Monte Carlo ELBOs `B` under masks shared by the
@@ -15,9 +15,9 @@ class ESPOTrainer(SequenceELBOTrainer):
     `-min(rho*A, clip(rho, 1-eps, 1+eps_high)*A) + beta * (B_theta - B_ref)^2 / (2L)`, `rho = exp((B_theta - B_old)/L)`,
     with leave-one-out advantages.
 
-    Relative to [`SequenceELBOTrainer`], ESPO defines `_compute_loss` (the clipped, per-token-normalised sequence
-    ratio with its KL estimators) and `sequence_kl` (k1 and k3 for ablations); its leave-one-out advantages are the
-    base trainer's `leave_one_out`, on by default in [`ESPOConfig`].
+    This is [`VRPOTrainer`]'s sequence-ratio objective under ESPO's settings ([`ESPOConfig`]: coupled masks,
+    clipping on, leave-one-out advantages, `num_iterations=8`): the only change w.r.t. `VRPOTrainer` is
+    `sequence_kl`, which adds the k1 and k3 estimators for ablations (`kl_estimator`).
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` an [`ESPOConfig`].
 
@@ -69,12 +69,3 @@ class ESPOTrainer(SequenceELBOTrainer):
             self._metrics[mode]["kl/k3_overflow_guard_hits"].append(self.accelerator.gather(hits).sum().item())
             return (torch.exp(exponent.clamp(max=max_exponent)) - 1 + delta) / length
         return super().sequence_kl(elbo, ref_elbo)
-
-    def _compute_loss(self, model, inputs):
-        """Per completion `-min(rho*A, clip(rho)*A) * mask + beta * KL`, every Monte Carlo pair in one graph."""
-        mode = "train" if self.model.training else "eval"
-        elbo = self.elbo_terms(model, inputs, inputs["inner_iteration"]).mean(dim=1)
-        loss = self.sequence_policy_loss(inputs, elbo, mode)
-        if self.beta != 0.0:
-            loss = loss + self.beta * self.kl_penalty(inputs, elbo, mode)
-        return self.micro_batch_loss(inputs, loss, elbo, mode)

@@ -8,7 +8,7 @@ from typing import ClassVar
 from trl import SFTConfig
 
 from ..utils.deprecation import renamed_fields
-from ..validation import choose_precision_defaults, choose_progress_defaults
+from ..validation import check_unsupported_fields, choose_config_defaults
 
 
 @renamed_fields({"completion_length": "max_completion_length"})
@@ -105,11 +105,7 @@ class DiffusionSFTConfig(SFTConfig):
     }
 
     def __post_init__(self):
-        # TRL's default `gradient_checkpointing=True` under transformers 5's name, which does not warn.
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
-        choose_precision_defaults(self)
-        choose_progress_defaults(self)
+        choose_config_defaults(self)
         super().__post_init__()
         if not 0.0 < self.timestep_eps < 1.0:
             raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
@@ -117,12 +113,7 @@ class DiffusionSFTConfig(SFTConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be a positive integer or None, got {value}.")
-        for name, (allowed, reason) in self.unsupported_fields.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"`{name}={getattr(self, name)!r}` is not supported by DiffusionSFTTrainer ({reason}). Leave "
-                    f"`{name}` at {allowed[0]!r}."
-                )
+        check_unsupported_fields(self, "DiffusionSFTTrainer")
         # TRL's `None` guesses from the dataset; the prompt must always be told apart from the completion.
         self.completion_only_loss = True
         if (self.dataset_kwargs or {}).get("skip_prepare_dataset"):

@@ -11,7 +11,7 @@ class VRPOTrainer(SequenceELBOTrainer):
     old and reference policies), the loss of a completion is `-A * exp(d)` (PPO-clipped with
     `clip_sequence_ratio`), plus `beta * (B_theta - B_ref)^2 / (2L)`. Every Monte Carlo forward stays in the graph
     until one backward: this is the honest memory baseline that [`BGPOTrainer`] removes. The only change w.r.t.
-    [`SequenceELBOTrainer`] is `_compute_loss`.
+    [`SequenceELBOTrainer`] is `_compute_loss`, which [`ESPOTrainer`] inherits (a change here changes ESPO).
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` a [`VRPOConfig`].
 
