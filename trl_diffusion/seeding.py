@@ -9,10 +9,11 @@ Keys of a rollout (`DiffusionRLTrainer`):
     sampling    = derive_seed(row key, ROW_SAMPLING)    the sampler's Gumbel noise
     mask seed   = derive_seed(row key, ROW_MASKS) >> 2  stored on the batch as `mask_seeds`
 
-Streams of one mask seed (`trl_diffusion.masking`, LFPO's states), each keyed also by the inner iteration:
+Streams of one mask seed: `trl_diffusion.masking` keys them as derive_seed(mask seed, inner iteration, stream, ...),
+LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
 
     MASK_COMPLETION  per-completion draws of a Monte Carlo sampler (stratified offset, timesteps)
-    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed by its index)
+    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index)
     MASK_PROMPT      d1's prompt mask
     LFPO_STATES      LFPO's choice of trajectory states
 
