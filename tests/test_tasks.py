@@ -25,6 +25,7 @@ from trl_diffusion.tasks import (
     split_of,
 )
 from trl_diffusion.tasks.countdown import countdown_key
+from trl_diffusion.tasks.registry import procedural_tasks
 
 PROCEDURAL = ("countdown", "countdown4", "sudoku", "sudoku9")
 HUB = ("gsm8k", "math", "mbpp", "humaneval")
@@ -63,6 +64,12 @@ def test_registry_contract():
         assert callable(task.accuracy_func)
         assert isinstance(task.metric(), evaluate.Metric) and type(task.metric()) is task.metric_class
         assert task.max_completion_length % task.block_length == 0
+    # `procedural` is what the offline error lists: every task not loaded from the Hub, and no Hub task.
+    hub_module = "trl_diffusion.tasks.hub"
+    for name, task in TASKS.items():
+        loader = getattr(task.loader, "func", task.loader)
+        assert task.procedural == (loader.__module__ != hub_module), name
+    assert set(procedural_tasks()) == set(PROCEDURAL + DEMO)
     with pytest.raises(ValueError, match="available tasks"):
         get_task("chess")
     with pytest.raises(ValueError, match="splits"):
@@ -196,7 +203,8 @@ def test_hub_loaders_fail_offline_with_a_clear_error(name, split, repo_id):
         get_task(name).load(split)
     message = str(error.value)
     assert repo_id in message and "unreachable" in message and "HF_HUB_OFFLINE" in message
-    assert "path=" in message and "hf download" in message and "countdown" in message
+    assert "path=" in message and "hf download" in message
+    assert message.endswith(f"needs no download: {', '.join(procedural_tasks())}.") and "largest_digit" in message
 
 
 def test_hub_loaders_read_a_local_copy(tmp_path):

@@ -12,7 +12,14 @@ from datasets import Dataset
 from ..rewards.utils import last_boxed
 from .prompts import code_prompt, gsm8k_prompt, math_prompt
 
-PROCEDURAL_TASKS = ("countdown", "countdown4", "sudoku", "sudoku9")
+
+def __getattr__(name: str):
+    # `PROCEDURAL_TASKS` was a hand-kept list; it is now read from the registry (which imports this module).
+    if name == "PROCEDURAL_TASKS":
+        from .registry import procedural_tasks
+
+        return procedural_tasks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class HubDatasetUnavailableError(ConnectionError):
@@ -20,6 +27,8 @@ class HubDatasetUnavailableError(ConnectionError):
 
 
 def _unavailable_message(repo_id: str, config: str | None, split: str) -> str:
+    from .registry import procedural_tasks
+
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     reason = "HF_HUB_OFFLINE is set" if offline else "no network connection to huggingface.co"
     config_argument = f", {config!r}" if config else ""
@@ -30,7 +39,7 @@ def _unavailable_message(repo_id: str, config: str | None, split: str) -> str:
         f"dataset --local-dir DIR` or `datasets.load_dataset({repo_id!r}{config_argument}).save_to_disk(DIR)`, copy "
         "DIR here and pass `path=DIR` to the loader (or `task.load(split, path=DIR)`);\n"
         "  - or fill the cache by loading it once with network access (same HF_HOME);\n"
-        f"  - or train on a built-in procedural task that needs no download: {', '.join(PROCEDURAL_TASKS)}."
+        f"  - or train on a procedural task that needs no download: {', '.join(procedural_tasks())}."
     )
 
 

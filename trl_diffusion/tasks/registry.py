@@ -56,6 +56,8 @@ class Task:
             The splits [`Task.load`] accepts.
         metric_config (`str`, *optional*):
             `config_name` of the metric (MathAccuracy's `"math"` or `"gsm8k"`).
+        procedural (`bool`, *optional*, defaults to `False`):
+            The data is generated locally from a seed (no download); see [`procedural_tasks`].
     """
 
     name: str
@@ -69,6 +71,7 @@ class Task:
     block_length: int
     splits: tuple[str, ...] = ("train", "test")
     metric_config: str | None = None
+    procedural: bool = False
 
     def load(self, split: str = "train", num_examples: int | None = None, seed: int = 0, **kwargs) -> Dataset:
         """Loads (or generates) a split.
@@ -115,6 +118,7 @@ TASKS: dict[str, Task] = {
             reference_columns=("answer",),
             max_completion_length=4,
             block_length=4,
+            procedural=True,
         ),
         Task(
             name="countdown",
@@ -126,6 +130,7 @@ TASKS: dict[str, Task] = {
             reference_columns=("numbers", "target"),
             max_completion_length=256,
             block_length=32,
+            procedural=True,
         ),
         Task(
             name="countdown4",
@@ -137,6 +142,7 @@ TASKS: dict[str, Task] = {
             reference_columns=("numbers", "target"),
             max_completion_length=256,
             block_length=32,
+            procedural=True,
         ),
         Task(
             name="sudoku",
@@ -148,6 +154,7 @@ TASKS: dict[str, Task] = {
             reference_columns=("puzzle", "solution"),
             max_completion_length=256,
             block_length=32,
+            procedural=True,
         ),
         Task(
             name="sudoku9",
@@ -159,6 +166,7 @@ TASKS: dict[str, Task] = {
             reference_columns=("puzzle", "solution"),
             max_completion_length=512,
             block_length=32,
+            procedural=True,
         ),
         Task(
             name="gsm8k",
@@ -210,6 +218,11 @@ TASKS: dict[str, Task] = {
         ),
     )
 }
+
+
+def procedural_tasks() -> tuple[str, ...]:
+    """The names of the registered tasks whose data is generated locally (`Task.procedural`): they need no download."""
+    return tuple(name for name, task in TASKS.items() if task.procedural)
 
 
 def get_task(name: str) -> Task:
