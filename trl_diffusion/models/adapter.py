@@ -312,7 +312,8 @@ class DiffusionAdapter:
             if not cache.is_initialized:
                 raise ValueError(
                     f"{type(unwrap_model(model)).__name__} took the cache but stored nothing in it: its attention does "
-                    "not go through `cache.update`, so it cannot decode with a cache. Use `cache='none'`."
+                    "not go through `cache.update`, so it cannot decode with a cache. Use "
+                    "`generation_cache='none'`."
                 )
         if keep is not None and logits.shape[1] != keep:
             logits = logits[:, -keep:]
@@ -381,6 +382,6 @@ class DiffusionAdapter:
         if self.cache_argument is None:
             raise ValueError(
                 "This model's forward takes no `cache` (or `past_key_values`) argument, so it cannot decode with a "
-                "cache. Use `cache='none'`."
+                "cache. Use `generation_cache='none'`."
             )
         return {"use_cache": True, self.cache_argument: cache}
