@@ -23,8 +23,7 @@ import datasets
 import torch
 import transformers
 
-from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, build_tiny_tokenizer
-from trl_diffusion.models.tiny import reinitialise, terminator_ids
+from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, build_tiny_llada, build_tiny_tokenizer
 from trl_diffusion.tasks import get_task
 from trl_diffusion.trainer import (
     BGPOConfig,
@@ -91,24 +90,16 @@ def build_model_dir(path: Path, size: ModelSize, seed: int = 0) -> Path:
     checkpoint (trainers load it, and their reference or old-policy copies, by path). With a vocabulary larger than the
     tokenizer's, the extra ids decode to nothing: rewards see shorter text, the model computes at full width."""
     tokenizer = build_tiny_tokenizer()
-    vocab_size = max(len(tokenizer), size.vocab_size or 0)
-    config = LLaDAConfig(
+    model = build_tiny_llada(
+        tokenizer,
         d_model=size.d_model,
-        n_heads=size.n_heads,
-        n_kv_heads=size.n_heads,
         n_layers=size.n_layers,
+        n_heads=size.n_heads,
         mlp_hidden_size=size.mlp_hidden_size,
         max_sequence_length=4096,
-        vocab_size=vocab_size,
-        embedding_size=vocab_size,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=terminator_ids(tokenizer),
-        mask_token_id=tokenizer.mask_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        attn_implementation="sdpa",
+        vocab_size=size.vocab_size,
+        seed=seed,
     )
-    model = LLaDAModelLM(config)
-    reinitialise(model, seed)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

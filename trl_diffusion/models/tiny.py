@@ -123,14 +123,15 @@ def _build_tiny_model(
     tokenizer: PreTrainedTokenizerFast | None,
     seed: int,
     dtype: torch.dtype,
+    vocab_size: int | None = None,
     **sizes,
 ) -> torch.nn.Module:
-    """What every tiny builder shares: a `config_class` of the given sizes whose vocabulary and special ids come from
-    the tokenizer (default: [`build_tiny_tokenizer`]; EOS and end-of-turn as terminators), SDPA attention, weights
-    redrawn by [`reinitialise`] from `seed`, parameters cast to `dtype`."""
+    """What every tiny builder shares: a `config_class` of the given sizes whose vocabulary (`vocab_size`, default
+    the tokenizer's) and special ids come from the tokenizer (default: [`build_tiny_tokenizer`]; EOS and end-of-turn
+    as terminators), SDPA attention, weights redrawn by [`reinitialise`] from `seed`, parameters cast to `dtype`."""
     tokenizer = tokenizer or build_tiny_tokenizer()
     config = config_class(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         **sizes,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -151,6 +152,7 @@ def build_tiny_llada(
     n_heads: int = 4,
     mlp_hidden_size: int = 128,
     max_sequence_length: int = 1024,
+    vocab_size: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> LLaDAModelLM:
@@ -165,12 +167,16 @@ def build_tiny_llada(
             LLaDA sizes (published field names).
         max_sequence_length (`int`):
             The context length the adapter enforces.
+        vocab_size (`int`, *optional*):
+            Width of the embedding and the head, at least the tokenizer's vocabulary (default: exactly it). The extra
+            ids decode to nothing; the benchmarks use them to compute at a real model's width.
         seed (`int`):
             Seed of a private generator for the initial weights (the global RNG is left alone).
         dtype (`torch.dtype`):
             Parameter dtype (RoPE stays float32 whatever it is).
     """
     tokenizer = tokenizer or build_tiny_tokenizer()
+    vocab_size = max(len(tokenizer), vocab_size or 0)
     return _build_tiny_model(
         LLaDAModelLM,
         LLaDAConfig,
@@ -183,7 +189,8 @@ def build_tiny_llada(
         n_layers=n_layers,
         mlp_hidden_size=mlp_hidden_size,
         max_sequence_length=max_sequence_length,
-        embedding_size=len(tokenizer),
+        vocab_size=vocab_size,
+        embedding_size=vocab_size,
     )
 
 
