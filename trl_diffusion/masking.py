@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .generation import completion_lengths
 from .seeding import MASK_COMPLETION, MASK_PROMPT, MASK_SAMPLE, keyed_generator
 
 SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t")
@@ -58,10 +59,9 @@ def completion_region(
         return torch.ones_like(completion_ids, dtype=torch.bool)
     if elbo_region != "answer":
         raise ValueError(f"elbo_region must be one of {ELBO_REGIONS}, got {elbo_region!r}.")
-    is_terminator = torch.isin(completion_ids, torch.tensor(list(terminator_ids), device=completion_ids.device))
-    # Terminators strictly before position i; the first terminator itself stays inside the answer.
-    terminators_before = is_terminator.long().cumsum(-1) - is_terminator.long()
-    return terminators_before == 0
+    # The answer is what the trainers hand to the rewards: the completion cut after its first terminator.
+    positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    return positions < completion_lengths(completion_ids, terminator_ids)[:, None]
 
 
 def length_normaliser(
