@@ -69,3 +69,15 @@ def tiny_llada_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
     from helpers import save_checkpoint
 
     return save_checkpoint(tiny_llada, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llada"))
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(tiny_tokenizer):
+    """`helpers.CHAT_PROMPTS` as single user messages through the chat template with the generation prompt,
+    left-padded: `input_ids` and `attention_mask`."""
+    from helpers import CHAT_PROMPTS
+
+    messages = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
+    return tiny_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+    )

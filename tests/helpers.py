@@ -1,4 +1,5 @@
-"""Pieces the trainer tests share: tiny CPU configs, a toy reward, the "say i" prompts, LoRA settings, rollout batches.
+"""Pieces the tests share: tiny CPU configs, a toy reward, the "say i" prompts, LoRA settings, rollout batches,
+gradient copies and comparisons, sharpened models and per-row decoding.
 
 Fixtures (the tiny models, their saved checkpoint) live in `conftest.py`; these are plain functions and constants.
 """
@@ -108,12 +109,13 @@ def tiny_trainer(trainer_class, model, args, *, peft=False, reward_funcs=distinc
     )
 
 
-def rollout_batch(trainer, num_prompts: int = 2) -> dict:
+def rollout_batch(trainer, num_prompts: int = 2, inner_iteration: int = 0) -> dict:
     """One rollout batch built the way training builds it (the trainer's sampler, rewards, advantages and stored
-    terms) from `num_prompts` conversational [`say_prompts`], each repeated `num_generations` times."""
+    terms) from `num_prompts` conversational [`say_prompts`], each repeated `num_generations` times, as the loss
+    receives it on inner iteration `inner_iteration`."""
     trainer.model.train()
     rows = [{"prompt": prompt} for prompt in say_prompts(num_prompts) for _ in range(trainer.num_generations)]
-    inputs = trainer._generate_and_score_completions(rows)
+    inputs = {**trainer._generate_and_score_completions(rows), "inner_iteration": inner_iteration}
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
     return inputs
 
@@ -128,9 +130,70 @@ def select_rows(batch: dict, rows) -> dict:
     }
 
 
-def gradients(model) -> dict[str, torch.Tensor]:
-    """A copy of every gradient the last backward left (parameters without one are left out)."""
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+def gradients(model, clear: bool = False) -> dict[str, torch.Tensor]:
+    """A copy of every gradient the last backward left (parameters without one are left out); with `clear`, the
+    model's gradients are then set to None, so that the next backward starts from zero."""
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if clear:
+        model.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_same_gradients(actual, expected, *, rtol: float, atol: float, label: str = "") -> None:
+    """The same parameters, and every entry within `rtol` relative and `atol` times the largest expected entry
+    absolute (`torch.testing.assert_close`); prints the largest difference relative to that scale (seen with -s)."""
+    assert actual.keys() == expected.keys()
+    scale = max(g.abs().max().item() for g in expected.values())
+    difference = max((actual[name] - expected[name]).abs().max().item() for name in expected)
+    print(f"{label}: max |grad| {scale:.3e}, max abs difference {difference:.3e} ({difference / scale:.2e} relative)")
+    assert scale > 0
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol * scale, msg=f"{label} {name}")
+
+
+@torch.no_grad()
+def perturb(model, std: float, seed: int) -> None:
+    """Moves every trainable parameter by N(0, std^2), from a private generator (the global RNG is left alone)."""
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * std)
+
+
+# The prompts of the sampler tests (the `chat_prompts` fixture): three lengths, so that a batch is left-padded.
+CHAT_PROMPTS = ("hi", "what is 2+2?", "tell me a story about cats")
+
+
+def sharpened(model):
+    """A copy of a tiny model with every weight matrix scaled by 15 (init std 0.3 instead of 0.02). The tiny models'
+    own predictions are flat (every confidence ~1/|V|, equal to 1e-4 across positions), so comparisons on them would
+    mostly compare tie-breaking; the copy's confidences range from about 0.1 to 0.6 and depend on position and
+    context."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.mul_(15)
+    return model
+
+
+def decode_each_alone(model, adapter, prompts, config, generators=None):
+    """Completions of each of the left-padded `prompts` (`input_ids`, `attention_mask`) decoded on its own, without
+    padding; `generators`, one per row, seed each row's sampling."""
+    from trl_diffusion.generation import generate
+
+    rows = []
+    for row, length in enumerate(prompts["attention_mask"].sum(dim=1).tolist()):
+        generator = None if generators is None else generators[row]
+        output = generate(
+            model,
+            prompts["input_ids"][row : row + 1, -length:],
+            generation_config=config,
+            adapter=adapter,
+            generator=generator,
+        )
+        rows.append(output.completion_ids[0])
+    return torch.stack(rows)
 
 
 def cpu_argv(output_dir) -> list[str]:

@@ -28,7 +28,7 @@ from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, VRPOConfig, VRPOTrainer
 from trl_diffusion.utils import SavedTensorsMeter
 
-from helpers import distinct_chars, select_rows
+from helpers import assert_same_gradients, distinct_chars, gradients, perturb, select_rows
 
 COMPLETION_LENGTH = 16
 PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?"]
@@ -87,34 +87,10 @@ def generate_batch(trainer, dataset, num_rows=4):
     return {**trainer._generate_and_score_completions(rows), "inner_iteration": 0}
 
 
-def gradients(model):
-    grads = {name: parameter.grad.detach().clone() for name, parameter in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def assert_gradients_close(actual, expected, label, rtol=1e-5):
-    """Max abs difference over every parameter, relative to the largest gradient entry, within `rtol`."""
-    assert actual.keys() == expected.keys()
-    scale = max(grad.abs().max().item() for grad in expected.values())
-    difference = max((actual[name] - expected[name]).abs().max().item() for name in expected)
-    print(f"{label}: max |grad| {scale:.3e}, max abs difference {difference:.3e} ({difference / scale:.2e} relative)")
-    assert scale > 0
-    assert difference <= rtol * scale, f"{label}: gradients differ by {difference:.3e} (max |grad| {scale:.3e})"
-
-
 def bgpo_training_step(trainer, batch):
     """`BGPOTrainer.training_step` (one forward and backward per Monte Carlo sample) on a fixed batch."""
     trainer._prepare_inputs = lambda inputs: batch
     return trainer.training_step(trainer.model, batch)
-
-
-def perturb(model, std, seed):
-    """Moves every parameter by Gaussian noise (a private generator): the policy drifts from the rollout's."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * std)
 
 
 def last_metric(trainer, name):
@@ -146,15 +122,15 @@ def test_on_policy_bgpo_equals_vrpo_and_is_reinforce_on_the_elbo(make_trainer, d
 
     vrpo_loss = vrpo._compute_loss(vrpo.model, batch)
     vrpo_loss.backward()
-    vrpo_grads = gradients(vrpo.model)
+    vrpo_grads = gradients(vrpo.model, clear=True)
     bgpo_loss = bgpo_training_step(bgpo, batch)
-    bgpo_grads = gradients(bgpo.model)
+    bgpo_grads = gradients(bgpo.model, clear=True)
 
     # Value: every ratio is 1, so both losses are -mean(A).
     print(f"{signs}/{length_norm}: VRPO loss {vrpo_loss.item():.8f}, BGPO loss {bgpo_loss.item():.8f}")
     torch.testing.assert_close(bgpo_loss, vrpo_loss.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(bgpo_loss, -advantages.mean(), rtol=1e-6, atol=1e-7)
-    assert_gradients_close(bgpo_grads, vrpo_grads, f"{signs}/{length_norm} BGPO vs VRPO")
+    assert_same_gradients(bgpo_grads, vrpo_grads, rtol=0, atol=1e-5, label=f"{signs}/{length_norm} BGPO vs VRPO")
 
     # REINFORCE on the ELBO, computed without the trainers: -(1/B) sum_b A_b / (n_t N_b) sum_j grad l_theta(b, j).
     model = bgpo.model
@@ -173,7 +149,13 @@ def test_on_policy_bgpo_equals_vrpo_and_is_reinforce_on_the_elbo(make_trainer, d
     normaliser = COMPLETION_LENGTH if length_norm == "canvas" else 1.0
     surrogate = (advantages[:, None] * terms).sum() / (num_mc_samples * normaliser * canvas.shape[0])
     (-surrogate).backward()
-    assert_gradients_close(bgpo_grads, gradients(model), f"{signs}/{length_norm} BGPO vs REINFORCE on the ELBO")
+    assert_same_gradients(
+        bgpo_grads,
+        gradients(model, clear=True),
+        rtol=0,
+        atol=1e-5,
+        label=f"{signs}/{length_norm} BGPO vs REINFORCE on the ELBO",
+    )
 
     # On-policy the bound is tight: the logged gap is exactly 0, never a rounding error below it.
     assert last_metric(bgpo, "bound/gap_min") >= 0.0
@@ -297,7 +279,7 @@ def test_per_sample_backward_respects_gradient_accumulation(make_trainer, datase
 
     assert trainer.current_gradient_accumulation_steps == 2
     accumulated_loss = sum(bgpo_training_step(trainer, micro_batch) for micro_batch in micro_batches)
-    accumulated = gradients(trainer.model)
+    accumulated = gradients(trainer.model, clear=True)
 
     trainer.current_gradient_accumulation_steps = 1
     losses = [trainer._compute_loss(trainer.model, micro_batch) for micro_batch in micro_batches]
@@ -305,7 +287,13 @@ def test_per_sample_backward_respects_gradient_accumulation(make_trainer, datase
     mean_loss.backward()
     print(f"accumulated loss {accumulated_loss.item():.8f}, mean of micro-batch losses {mean_loss.item():.8f}")
     torch.testing.assert_close(accumulated_loss, mean_loss.detach(), rtol=1e-5, atol=1e-7)
-    assert_gradients_close(accumulated, gradients(trainer.model), "GA=2 per-sample vs mean of micro-batch losses")
+    assert_same_gradients(
+        accumulated,
+        gradients(trainer.model, clear=True),
+        rtol=0,
+        atol=1e-5,
+        label="GA=2 per-sample vs mean of micro-batch losses",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- data parallel

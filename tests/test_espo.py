@@ -20,8 +20,16 @@ from trl_diffusion.masking import sample_masks
 from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import ESPOConfig, ESPOTrainer
 
-import helpers
-from helpers import TINY_ROLLOUTS, cli_args, cpu_argv, gradients, tiny_grpo_config, tiny_trainer
+from helpers import (
+    TINY_ROLLOUTS,
+    assert_same_gradients,
+    cli_args,
+    cpu_argv,
+    gradients,
+    rollout_batch,
+    tiny_grpo_config,
+    tiny_trainer,
+)
 
 L = TINY_ROLLOUTS["max_completion_length"]  # canvas length of the trainer tests
 
@@ -32,19 +40,6 @@ def make_args(output_dir, **overrides):
 
 def make_trainer(model, args, **kwargs):
     return tiny_trainer(ESPOTrainer, model, args, **kwargs)
-
-
-def rollout_batch(trainer, num_prompts=2):
-    """One rollout batch built the way training builds it (sampler, rewards, advantages, stored terms)."""
-    return {**helpers.rollout_batch(trainer, num_prompts), "inner_iteration": 0}
-
-
-def assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-8):
-    assert actual.keys() == expected.keys()
-    scale = max(g.abs().max().item() for g in expected.values())
-    assert scale > 0
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol * scale, msg=name)
 
 
 def coupled_elbo(trainer, model, inputs, iteration=0):
@@ -187,7 +182,7 @@ def test_on_policy_gradient_is_reinforce_on_the_normalised_elbo(reuse, tiny_llad
     else:
         assert ratio == 1.0  # B_old is B_theta detached: exactly 1
     assert loss.item() == pytest.approx(-advantages.mean().item() / ga, abs=1e-6)
-    assert_same_gradients(actual, expected)
+    assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-8)
 
 
 def test_k2_penalty_and_gradient_match_the_hand_computation(tiny_llada_dir, tmp_path):
@@ -227,7 +222,7 @@ def test_k2_penalty_and_gradient_match_the_hand_computation(tiny_llada_dir, tmp_
     reference_loss = (-(advantages * elbo / L) + beta * (elbo - ref_elbo).pow(2) / (2 * L)).sum() / num_rows / ga
     reference_loss.backward()
     expected = gradients(model)
-    assert_same_gradients(actual, expected)
+    assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-8)
 
     # The penalty's own gradient is beta * (B - B_ref) / L * grad B: not negligible against the policy term here.
     model.zero_grad()

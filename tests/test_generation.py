@@ -1,4 +1,3 @@
-import copy
 import dataclasses
 from types import SimpleNamespace
 
@@ -16,49 +15,12 @@ from trl_diffusion.generation import (
 from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer.lfpo_config import lfpo_inference_config
 
-PROMPTS = ["hi", "what is 2+2?", "tell me a story about cats"]
-
-
-def sharpened(model):
-    """A copy of a tiny model with every weight matrix scaled by 15 (init std 0.3 instead of 0.02). The tiny models'
-    own predictions are flat (every confidence ~1/|V|, equal to 1e-4 across positions), so comparisons on them would
-    mostly compare tie-breaking; the copy's confidences range from about 0.1 to 0.6 and depend on position and
-    context."""
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() >= 2:
-                parameter.mul_(15)
-    return model
+from helpers import CHAT_PROMPTS, decode_each_alone, sharpened
 
 
 @pytest.fixture(scope="module")
 def sharp_llama(tiny_llama):
     return sharpened(tiny_llama)
-
-
-@pytest.fixture(scope="module")
-def chat_prompts(tiny_tokenizer):
-    messages = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
-    return tiny_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
-    )
-
-
-def decode_each_alone(model, adapter, prompts, config, generators=None):
-    """Completions of each prompt decoded on its own, without padding."""
-    rows = []
-    for row, length in enumerate(prompts["attention_mask"].sum(dim=1).tolist()):
-        generator = None if generators is None else generators[row]
-        output = generate(
-            model,
-            prompts["input_ids"][row : row + 1, -length:],
-            generation_config=config,
-            adapter=adapter,
-            generator=generator,
-        )
-        rows.append(output.completion_ids[0])
-    return torch.stack(rows)
 
 
 def commits_per_step(output, row):
@@ -172,7 +134,7 @@ def test_fixed_schedule_commit_counts_blocks_and_stats(sharp_llama, tiny_tokeniz
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
     config = DiffusionGenerationConfig(max_completion_length=16, block_length=8, diffusion_steps=6)
     output = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
-    for row in range(len(PROMPTS)):
+    for row in range(len(CHAT_PROMPTS)):
         # Two blocks of 8 masks, 3 steps each: LLaDA commits 3, 3, 2 per block.
         assert commits_per_step(output, row) == [3, 3, 2, 3, 3, 2]
     # Each block is finished before the next one starts.
@@ -200,7 +162,7 @@ def test_remasking_strategies_unmask_everything_with_schedule_counts(
     output = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     assert not (output.completion_ids == adapter.mask_token_id).any()
     expected = num_transfer_tokens(torch.tensor([8]), 4, config.schedule)[0].tolist() * 2
-    for row in range(len(PROMPTS)):
+    for row in range(len(CHAT_PROMPTS)):
         assert commits_per_step(output, row) == expected
 
 

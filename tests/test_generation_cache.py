@@ -1,7 +1,6 @@
 """Cached denoising (Fast-dLLM's prefix and dual caches): the adapter's `CanvasCache` plumbing against transformers'
 `DynamicCache`, and the sampler's cached modes on left-padded batches of the native LLaDA and Dream."""
 
-import copy
 from types import SimpleNamespace
 
 import pytest
@@ -11,33 +10,9 @@ from transformers import DynamicCache
 from trl_diffusion.generation import DiffusionGenerationConfig, generate
 from trl_diffusion.models import CanvasCache, DiffusionAdapter
 
+from helpers import decode_each_alone, sharpened
+
 GEN_LENGTH, BLOCK_LENGTH = 24, 8
-
-
-def sharpened(model):
-    """A copy with every weight matrix scaled by 15, so that confidences vary (as in `test_generation.py`)."""
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() >= 2:
-                parameter.mul_(15)
-    return model
-
-
-def decode_each_alone(model, adapter, prompts, config):
-    rows = []
-    for row, length in enumerate(prompts["attention_mask"].sum(dim=1).tolist()):
-        input_ids = prompts["input_ids"][row : row + 1, -length:]
-        rows.append(generate(model, input_ids, generation_config=config, adapter=adapter).completion_ids[0])
-    return torch.stack(rows)
-
-
-@pytest.fixture(scope="module")
-def chat_prompts(tiny_tokenizer):
-    messages = [[{"role": "user", "content": p}] for p in ["hi", "what is 2+2?", "tell me a story about cats"]]
-    return tiny_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
-    )
 
 
 @pytest.fixture(scope="module", params=["tiny_llada", "tiny_dream"])

@@ -147,7 +147,7 @@ def test_truncated_completions_are_left_out_of_the_loss(name, tiny_llada_dir, tm
     beta = 0.0 if name == "lfpo" else 0.04
     args = tiny_grpo_config(config_class, tmp_path, mask_truncated_completions=True, beta=beta, **options)
     trainer = tiny_trainer(trainer_class, tiny_llada_dir, args)
-    inputs = {**rollout_batch(trainer), "inner_iteration": 0}
+    inputs = rollout_batch(trainer)
     terminated = torch.isin(inputs["completion_canvas"], torch.tensor(trainer.eos_token_ids)).any(dim=1)
     kept = inputs["completion_mask"].any(dim=1)
     assert torch.equal(kept, terminated) and 0 < kept.sum() < len(kept)
@@ -173,7 +173,7 @@ def test_two_sided_clip_and_off_policy_mask_act_on_the_sequence_ratio(name, tiny
     config_class, trainer_class, options = TRAINERS[name]
     args = tiny_grpo_config(config_class, tmp_path, beta=0.0, num_iterations=2, clip_sequence_ratio=True, **options)
     trainer = tiny_trainer(trainer_class, tiny_llada_dir, args)
-    inputs = {**rollout_batch(trainer), "inner_iteration": 0}
+    inputs = rollout_batch(trainer)
     length = args.max_completion_length
     d = torch.tensor([0.9, 0.9, 0.5, -0.5, -0.9, -0.9, 0.1, -0.1])
     advantages = torch.tensor([-1.0, 1.0, -2.0, -1.0, -1.5, 1.0, 0.5, -0.5])

@@ -19,7 +19,7 @@ from trl_diffusion.models.tiny import reinitialise
 from trl_diffusion.trainer import DiffuGRPOConfig, DiffuGRPOTrainer, ESPOConfig, ESPOTrainer
 
 import helpers
-from helpers import gradients, save_checkpoint, tiny_grpo_config, tiny_trainer
+from helpers import assert_same_gradients, gradients, perturb, save_checkpoint, tiny_grpo_config, tiny_trainer
 
 # Weights larger than the tiny models' 0.02: predictions then depend on which prompt tokens are masked and move
 # visibly under the perturbations below (at 0.02 every log-prob is close to -log(vocab) whatever the input).
@@ -35,15 +35,6 @@ def sensitive_llada_dir(tmp_path_factory, tiny_tokenizer):
     return save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("sensitive-llada"))
 
 
-@torch.no_grad()
-def perturb(model, seed):
-    """Moves every trainable parameter by N(0, PERTURBATION^2), from a private generator."""
-    generator = torch.Generator().manual_seed(seed)
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * PERTURBATION)
-
-
 def canvas_logprobs(model, prompt_ids, prompt_mask, noisy_completion, targets):
     """log p(targets_i) at every completion position, from the model called directly (full log-softmax)."""
     input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
@@ -54,14 +45,6 @@ def canvas_logprobs(model, prompt_ids, prompt_mask, noisy_completion, targets):
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def assert_same_gradients(actual, expected, rtol=1e-4, atol=1e-6):
-    assert actual.keys() == expected.keys()
-    scale = max(g.abs().max().item() for g in expected.values())
-    assert scale > 0
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol * scale, msg=name)
-
-
 def off_policy_batch(trainer_class, config_class, model_dir, output_dir, **settings):
     """A trainer, its initial weights (the reference), the policy that generated one rollout batch (old), and the
     batch, the policy moved between the reference and the rollout."""
@@ -70,7 +53,7 @@ def off_policy_batch(trainer_class, config_class, model_dir, output_dir, **setti
     # Fresh copies loaded from the checkpoint, not `copy.deepcopy(trainer.model)`: the prepared model's `forward` is
     # an instance attribute bound to the original, which a deep copy would keep calling.
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    perturb(trainer.model, seed=1)
+    perturb(trainer.model, PERTURBATION, seed=1)
     old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     old.load_state_dict(trainer.model.state_dict())
     inputs = helpers.rollout_batch(trainer)
@@ -117,7 +100,8 @@ def test_diffu_grpo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, t
 
     clipped_fractions = []
     for iteration in range(num_iterations):
-        perturb(model, seed=10 + iteration)  # the policy has moved since the rollout (as after optimiser steps)
+        # The policy has moved since the rollout (as after optimiser steps).
+        perturb(model, PERTURBATION, seed=10 + iteration)
         model.zero_grad()
         loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
         loss.backward()
@@ -135,7 +119,7 @@ def test_diffu_grpo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, t
         expected = gradients(model)
 
         torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-5, atol=1e-7)
-        assert_same_gradients(actual, expected)
+        assert_same_gradients(actual, expected, rtol=1e-4, atol=1e-6)
         clipped_fractions.append(((ratio - clipped).abs() > 0).float().mul(mask).sum().item() / mask.sum().item())
     # Some ratios are clipped and some are not: both branches of the min are exercised.
     assert 0 < max(clipped_fractions) and min(clipped_fractions) < 1, clipped_fractions
@@ -185,7 +169,7 @@ def test_espo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, tmp_pat
 
     clipped_rows, kl_shares = [], []
     for iteration in range(num_iterations):
-        perturb(model, seed=10 + iteration)
+        perturb(model, PERTURBATION, seed=10 + iteration)
         model.zero_grad()
         loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
         loss.backward()
@@ -202,7 +186,7 @@ def test_espo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, tmp_pat
         expected = gradients(model)
 
         torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-5, atol=1e-7)
-        assert_same_gradients(actual, expected)
+        assert_same_gradients(actual, expected, rtol=1e-4, atol=1e-6)
         clipped_rows.append(((ratio - clipped).abs() > 0).float().mean().item())
         kl_shares.append((beta * kl.mean() / (policy.abs().mean() + beta * kl.mean())).item())
     # The test has power: the ratio is clipped for some rows, and the KL term is a sizeable part of the loss.

@@ -188,7 +188,7 @@ def test_diffu_grpo_with_completions_padded_wider_than_the_canvas(tiny_llada_dir
     a run with stored old and reference log-probs (mu = 2, beta > 0) trains."""
     args = make_args("d1", tmp_path, pad_to_multiple_of=16, num_iterations=2, beta=0.04)
     trainer = make_trainer("d1", tiny_llada_dir, args)
-    inputs = {**rollout_batch(trainer), "inner_iteration": 1}
+    inputs = rollout_batch(trainer, inner_iteration=1)
     length = args.max_completion_length
     assert inputs["completion_ids"].shape[1] == 16 and inputs["old_mean_field_logps"].shape[2] == 16
     assert not inputs["completion_mask"][:, length:].any()
