@@ -3,7 +3,6 @@ against the exact ELBO, what is masked and scored, the noise keys, learning a ti
 generation to reproduce it, LoRA, both dataset formats, saving and reloading, and bad input."""
 
 import copy
-import dataclasses
 import random
 
 import numpy as np
@@ -13,7 +12,7 @@ from accelerate import Accelerator
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-from trl import SFTConfig, TrlParser
+from trl import SFTConfig
 
 from trl_diffusion import DiffusionGenerationConfig, DiffusionSFTConfig, DiffusionSFTTrainer, generate
 from trl_diffusion.generation import cut_at_terminator
@@ -23,7 +22,7 @@ from trl_diffusion.models.tiny import EOT_TOKEN
 from trl_diffusion.trainer import sft_trainer
 from trl_diffusion.trainer.sft_trainer import DataCollatorForDiffusionSFT, sample_completion_masks
 
-from helpers import cpu_argv, lora_config, tiny_config
+from helpers import lora_config, tiny_config
 
 PROMPTS = ["ab=", "hello=", "x="]
 COMPLETIONS = ["ba", "o", "xyz"]
@@ -401,31 +400,6 @@ def test_model_from_path_saves_and_reloads(tiny_llada_dir, tiny_tokenizer, tmp_p
     trainer.create_model_card(model_name="tiny-sft")
     card = (tmp_path / "out" / "README.md").read_text()
     assert "DiffusionSFT" in card and "2502.09992" in card
-
-
-def test_new_fields_parse_from_the_command_line(tmp_path):
-    (args,) = TrlParser((DiffusionSFTConfig,)).parse_args_and_config(
-        [
-            *cpu_argv(tmp_path),
-            "--max_completion_length",
-            "256",
-            "--max_prompt_length",
-            "128",
-            "--timestep_eps",
-            "0.01",
-            "--mask_token_id",
-            "7",
-        ]
-    )
-    assert (args.completion_length, args.max_prompt_length, args.timestep_eps, args.mask_token_id) == (
-        256,
-        128,
-        0.01,
-        7,
-    )
-    assert {field.name for field in dataclasses.fields(SFTConfig)} < {
-        field.name for field in dataclasses.fields(DiffusionSFTConfig)
-    }
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -6,7 +6,6 @@ trainer so that every option meets every trainer without running the cross-produ
 """
 
 import copy
-import dataclasses
 import logging
 import math
 
@@ -14,27 +13,22 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig, TrlParser
 
 from trl_diffusion.trainer import (
     BGPOConfig,
     BGPOTrainer,
     DiffuGRPOConfig,
     DiffuGRPOTrainer,
-    DiffusionRLConfig,
     ESPOConfig,
     ESPOTrainer,
     LFPOConfig,
     LFPOTrainer,
-    SequenceELBOConfig,
     VRPOConfig,
     VRPOTrainer,
 )
 
 from helpers import (
-    cli_args,
     completion_texts,
-    cpu_argv,
     distinct_chars,
     eos_leaning_checkpoint,
     gradients,
@@ -292,87 +286,6 @@ def test_resume_inside_a_rollout_round_is_exact(name, tiny_llada_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- configs
-
-CONFIG_CLASSES = [DiffusionRLConfig, SequenceELBOConfig, DiffuGRPOConfig, VRPOConfig, BGPOConfig]
-GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-# Non-default command-line values of numeric fields, chosen to be valid together with the sampler settings
-# `--max_completion_length 16` (block_length 4 -> 4 blocks, diffusion_steps 8, threshold needs remasking "margin").
-CLI_VALUES = {
-    "mask_token_id": 5,
-    "block_length": 4,
-    "diffusion_steps": 8,
-    "remasking": "margin",
-    "cfg_scale": 1.5,
-    "threshold": 0.9,
-    "max_prompt_length": 64,
-    "num_mc_samples": 3,
-    "timestep_eps": 0.01,
-    "p_mask_prompt": 0.3,
-    "max_consecutive_failed_reward_steps": 3,
-    # GRPOConfig fields whose default DiffuGRPOConfig changes.
-    "loss_type": "grpo",
-    "epsilon": 0.3,
-    "beta": 0.1,
-    "scale_rewards": "group",
-    "temperature": 0.7,
-}
-
-
-def fields_to_parse(config_class):
-    """The fields a config class adds to GRPOConfig, and the GRPOConfig fields whose default it changes, except
-    those it refuses to change (`unsupported_fields`)."""
-    return [
-        f
-        for f in dataclasses.fields(config_class)
-        if (f.name not in GRPO_DEFAULTS or f.default != GRPO_DEFAULTS[f.name])
-        and f.name not in config_class.unsupported_fields
-    ]
-
-
-def non_default_value(f):
-    if f.name in CLI_VALUES:
-        return CLI_VALUES[f.name]
-    if f.type in (bool, "bool"):
-        return not f.default
-    choices = f.metadata.get("choices")
-    if choices:
-        return next(choice for choice in choices if choice != f.default)
-    raise AssertionError(f"No non-default test value for `{f.name}`: add one to CLI_VALUES.")
-
-
-@pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
-def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
-    fields = fields_to_parse(config_class)
-    assert fields
-    expected = {}
-    for f in fields:
-        value = non_default_value(f)
-        assert value != f.default, f.name
-        expected[f.name] = value
-    argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args(expected)]
-    (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
-    assert type(config) is config_class
-    parsed = {name: getattr(config, name) for name in expected}
-    assert parsed == expected
-
-
-def test_paper_defaults(tmp_path):
-    argv = cpu_argv(tmp_path)
-    for config_class in (DiffuGRPOConfig, VRPOConfig, BGPOConfig):
-        (parsed,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
-        built = config_class(output_dir=str(tmp_path), use_cpu=True, bf16=False)
-        for config in (parsed, built):
-            if config_class is DiffuGRPOConfig:
-                assert config.loss_type == "bnpo"
-                assert config.epsilon == 0.5
-                assert config.beta == 0.04
-                assert config.scale_rewards == "none"
-                assert config.p_mask_prompt == 0.15
-                assert config.use_bias_correction_kl is False
-            else:
-                assert config.num_mc_samples == (4 if config_class is VRPOConfig else 16)
-                assert config.loss_type == GRPO_DEFAULTS["loss_type"]
-
 
 CONFIG_ERRORS = [
     ("d1", dict(num_generations=3), "divisible by num_generations"),

@@ -1,0 +1,293 @@
+"""Every trainer config, one table: the defaults its paper (or the shared base) fixes, built and parsed from an empty
+command line; the fields it adds to its parent or re-defaults, exactly; and every field it adds to TRL's config
+(`GRPOConfig`, `SFTConfig`) or re-defaults, set to a non-default value on the command line and read back.
+
+Values of the configs' bad inputs are tested next to their trainers (`test_trainers.py`, `test_espo.py`, ...).
+"""
+
+import dataclasses
+
+import pytest
+from trl import GRPOConfig, SFTConfig, TrlParser
+
+from trl_diffusion.trainer import (
+    BGPOConfig,
+    DiffuGRPOConfig,
+    DiffusionRLConfig,
+    DiffusionSFTConfig,
+    ESPOConfig,
+    LFPOConfig,
+    SequenceELBOConfig,
+    VRPOConfig,
+)
+
+from helpers import cli_args, cpu_argv
+
+GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+SAMPLER_ADDITIONS = {"block_length", "cfg_scale", "defer_terminators", "diffusion_steps", "early_stop"}
+SAMPLER_ADDITIONS |= {"generation_cache", "remasking", "schedule", "threshold"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the tests below expect of one config class.
+
+    parent: the config it is compared with for `changes`. changes: the fields it adds to `parent` or whose default
+    it changes. defaults: field values of a config built with no arguments, and of one parsed from an empty command
+    line. values: non-default command-line values for this class, over `CLI_VALUES`. extra_parse: command-line
+    arguments appended to the full one, and attributes then expected (aliases).
+    """
+
+    parent: type
+    changes: frozenset
+    defaults: dict
+    values: dict = dataclasses.field(default_factory=dict)
+    extra_parse: tuple = ((), {})
+
+
+SPECS = {
+    DiffusionRLConfig: Spec(
+        parent=GRPOConfig,
+        changes=frozenset(SAMPLER_ADDITIONS | {"generation_progress_bar", "leave_one_out", "mask_token_id"})
+        | {"max_consecutive_failed_reward_steps", "max_prompt_length"},
+        defaults=dict(
+            max_completion_length=512,
+            temperature=1.0,
+            max_prompt_length=512,
+            mask_token_id=None,
+            generation_cache="none",
+            generation_progress_bar=False,
+            leave_one_out=False,
+            max_consecutive_failed_reward_steps=10,
+            loss_type=GRPO_DEFAULTS["loss_type"],
+        ),
+    ),
+    SequenceELBOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "timestep_eps"})
+        | {"clip_sequence_ratio", "use_bias_correction_kl"},
+        defaults=dict(
+            num_mc_samples=1,
+            mask_sampler="stratified",
+            elbo_region="canvas",
+            length_norm="canvas",
+            timestep_eps=1e-3,
+            clip_sequence_ratio=False,
+            use_bias_correction_kl=False,
+            loss_type=GRPO_DEFAULTS["loss_type"],
+        ),
+    ),
+    # d1: TRL's token-level loss with bnpo, clip 0.5, KL 0.04, no reward scaling, 15% of the prompt masked.
+    DiffuGRPOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"beta", "epsilon", "loss_type", "p_mask_prompt", "scale_rewards", "temperature"})
+        | {"use_bias_correction_kl"},
+        defaults=dict(
+            loss_type="bnpo",
+            epsilon=0.5,
+            beta=0.04,
+            scale_rewards="none",
+            p_mask_prompt=0.15,
+            use_bias_correction_kl=False,
+        ),
+    ),
+    VRPOConfig: Spec(
+        parent=SequenceELBOConfig,
+        changes=frozenset({"num_mc_samples"}),
+        defaults=dict(num_mc_samples=4, loss_type=GRPO_DEFAULTS["loss_type"]),
+    ),
+    BGPOConfig: Spec(
+        parent=SequenceELBOConfig,
+        changes=frozenset({"num_mc_samples"}),
+        defaults=dict(num_mc_samples=16, loss_type=GRPO_DEFAULTS["loss_type"]),
+    ),
+    ESPOConfig: Spec(
+        parent=SequenceELBOConfig,
+        changes=frozenset({"kl_estimator", "leave_one_out", "mask_sampler", "num_mc_samples", "clip_sequence_ratio"})
+        | {"beta", "num_iterations", "scale_rewards", "learning_rate"},
+        defaults=dict(
+            mask_sampler="coupled",
+            num_mc_samples=2,
+            elbo_region="canvas",
+            length_norm="canvas",
+            clip_sequence_ratio=True,
+            epsilon=0.2,
+            beta=1e-3,
+            num_iterations=8,
+            scale_rewards="none",
+            learning_rate=3e-6,
+            leave_one_out=True,
+            kl_estimator="k2",
+            temperature=1.0,
+            block_length=32,
+            loss_type=GRPO_DEFAULTS["loss_type"],
+        ),
+        # Flipped: leave_one_out and clip_sequence_ratio (to False).
+        values={"beta": 0.01, "mask_sampler": "stratified"},
+    ),
+    LFPOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"contrastive_beta", "adv_clip_max", "lfpo_num_states", "lfpo_states", "lfpo_block_size"})
+        | {"lfpo_variant", "ema_alpha", "ema_alpha_rate", "ema_alpha_max", "weight_decay", "warmup_steps"}
+        | {"warmup_ratio", "elbo_region"},
+        defaults=dict(
+            contrastive_beta=1.0,
+            adv_clip_max=5.0,
+            lfpo_num_states=8,
+            lfpo_states="trajectory",
+            lfpo_block_size=8,
+            lfpo_variant="all",
+            ema_alpha=None,
+            ema_alpha_rate=1e-3,
+            ema_alpha_max=0.5,
+            weight_decay=0.01,
+            warmup_steps=0.1,  # below 1: a fraction of the optimiser steps, the paper's warm-up ratio
+            warmup_ratio=None,
+            beta=0.0,
+        ),
+        # `warmup_ratio` is transformers 4's name of a fractional `warmup_steps`: parsed, it sets both.
+        extra_parse=(("--warmup_ratio", "0.2"), {"warmup_ratio": 0.2, "warmup_steps": 0.2}),
+    ),
+    DiffusionSFTConfig: Spec(
+        parent=SFTConfig,
+        changes=frozenset({"completion_only_loss", "mask_token_id", "max_completion_length", "max_length"})
+        | {"max_prompt_length", "timestep_eps"},
+        defaults=dict(
+            timestep_eps=1e-3,
+            mask_token_id=None,
+            max_completion_length=None,
+            max_prompt_length=None,
+            max_length=None,
+            completion_only_loss=True,
+            loss_type="nll",
+        ),
+        values={"max_completion_length": 256, "max_prompt_length": 128, "mask_token_id": 7, "max_length": 512},
+        # `completion_length` is the field's former name, still readable.
+        extra_parse=((), {"completion_length": 256}),
+    ),
+}
+CONFIG_CLASSES = list(SPECS)
+
+# Non-default command-line values of numeric fields, chosen to be valid together with the sampler settings
+# `--max_completion_length 16` (block_length 4 -> 4 blocks, diffusion_steps 8, threshold needs remasking "margin");
+# booleans are flipped and fields with choices take another choice unless listed here.
+CLI_VALUES = {
+    "mask_token_id": 5,
+    "block_length": 4,
+    "diffusion_steps": 8,
+    "remasking": "margin",
+    "cfg_scale": 1.5,
+    "threshold": 0.9,
+    "max_prompt_length": 64,
+    "num_mc_samples": 3,
+    "timestep_eps": 0.01,
+    "p_mask_prompt": 0.3,
+    "max_consecutive_failed_reward_steps": 3,
+    # GRPOConfig fields whose default a config changes.
+    "loss_type": "grpo",
+    "epsilon": 0.3,
+    "beta": 0.1,
+    "scale_rewards": "group",
+    "temperature": 0.7,
+    "num_iterations": 2,
+    "learning_rate": 1e-5,
+    "weight_decay": 0.0,
+    "warmup_steps": 5.0,
+    "kl_estimator": "k3",
+    # LFPO
+    "contrastive_beta": 0.5,
+    "adv_clip_max": 2.0,
+    "lfpo_num_states": 4,
+    "lfpo_states": "forward",
+    "lfpo_block_size": 16,
+    "lfpo_variant": "positive",
+    "ema_alpha": 0.9,
+    "ema_alpha_rate": 0.01,
+    "ema_alpha_max": 0.3,
+    "elbo_region": "answer",
+}
+# Fields that are another field under a former name: checked through `Spec.extra_parse`, not set with it.
+ALIASES = {"warmup_ratio"}
+
+
+def trl_config(config_class) -> type:
+    return SFTConfig if issubclass(config_class, SFTConfig) else GRPOConfig
+
+
+def defaults_of(config_class) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(config_class)}
+
+
+def fields_to_parse(config_class) -> list:
+    """The fields a config class adds to TRL's config, and TRL's fields whose default it changes, except those it
+    refuses to change (`unsupported_fields`) and the aliases."""
+    trl_defaults = defaults_of(trl_config(config_class))
+    return [
+        f
+        for f in dataclasses.fields(config_class)
+        if (f.name not in trl_defaults or f.default != trl_defaults[f.name])
+        and f.name not in config_class.unsupported_fields
+        and f.name not in ALIASES
+    ]
+
+
+def non_default_value(config_class, f):
+    values = {**CLI_VALUES, **SPECS[config_class].values}
+    if f.name in values:
+        return values[f.name]
+    if f.type in (bool, "bool"):
+        return not f.default
+    choices = f.metadata.get("choices")
+    if choices:
+        return next(choice for choice in choices if choice != f.default)
+    raise AssertionError(f"No non-default test value for `{f.name}`: add one to CLI_VALUES.")
+
+
+def test_every_config_is_in_the_table():
+    import trl_diffusion.trainer as trainer_module
+
+    configs = {
+        value
+        for name in dir(trainer_module)
+        if isinstance(value := getattr(trainer_module, name), type)
+        and issubclass(value, (GRPOConfig, SFTConfig))
+        and name == value.__name__  # not a deprecated alias
+    }
+    assert configs == set(SPECS)
+
+
+@pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_defaults(config_class, tmp_path):
+    expected = SPECS[config_class].defaults
+    (parsed,) = TrlParser((config_class,)).parse_args_and_config(args=cpu_argv(tmp_path))
+    built = config_class(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    for config in (parsed, built):
+        assert type(config) is config_class
+        assert {name: getattr(config, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_fields_added_or_redefaulted(config_class):
+    spec = SPECS[config_class]
+    parent = defaults_of(spec.parent)
+    changed = {name for name, default in defaults_of(config_class).items() if parent.get(name, object()) != default}
+    assert changed == spec.changes, changed ^ spec.changes
+    assert set(defaults_of(trl_config(config_class))) < set(defaults_of(config_class))
+
+
+@pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
+    fields = fields_to_parse(config_class)
+    assert fields
+    expected = {}
+    for f in fields:
+        value = non_default_value(config_class, f)
+        assert value != f.default, f.name
+        expected[f.name] = value
+    argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args(expected)]
+    (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
+    assert type(config) is config_class
+    assert {name: getattr(config, name) for name in expected} == expected
+    extra_argv, extra_expected = SPECS[config_class].extra_parse
+    (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv + list(extra_argv))
+    assert {name: getattr(config, name) for name in extra_expected} == extra_expected
