@@ -21,7 +21,7 @@ paper's full fine-tuning; 2 x 64 = 128 completions per optimiser step, as on 8 G
 A tiny CPU run: `--model_name_or_path TINY_DIR --use_cpu --bf16 false --dtype float32 --max_steps 1 ...`.
 """
 
-from trl_diffusion.cli import run_recipe
+from trl_diffusion.scripts.train import run_recipe
 
 RECIPE = {
     "model_name_or_path": "GSAI-ML/LLaDA-8B-Instruct",

@@ -19,7 +19,7 @@ base, `--use_peft false --load_in_4bit false` is full fine-tuning (d1's maintain
 --max_steps 1 ...`.
 """
 
-from trl_diffusion.cli import run_recipe
+from trl_diffusion.scripts.train import run_recipe
 
 RECIPE = {
     "model_name_or_path": "GSAI-ML/LLaDA-8B-Instruct",

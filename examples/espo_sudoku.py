@@ -20,7 +20,7 @@ Every field of `trl-diffusion espo --help` is a flag here too (`--load_in_4bit` 
 float32 --max_steps 1 ...`.
 """
 
-from trl_diffusion.cli import run_recipe
+from trl_diffusion.scripts.train import run_recipe
 
 RECIPE = {
     "model_name_or_path": "GSAI-ML/LLaDA-8B-Instruct",

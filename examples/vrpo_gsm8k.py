@@ -17,7 +17,7 @@ paper's recipe; `--eval_every_steps 20` to select checkpoints by `eval/gsm8k/acc
 `--model_name_or_path TINY_DIR --dataset_name countdown --use_cpu --bf16 false --dtype float32 --max_steps 1 ...`.
 """
 
-from trl_diffusion.cli import run_recipe
+from trl_diffusion.scripts.train import run_recipe
 
 RECIPE = {
     "model_name_or_path": "GSAI-ML/LLaDA-8B-Instruct",

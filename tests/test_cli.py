@@ -6,7 +6,9 @@ that the two processes train exactly what one process trains on the same global 
 """
 
 import dataclasses
+import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -26,9 +28,17 @@ from trl import ModelConfig
 
 from trl_diffusion import BGPOConfig, BGPOTrainer, DiffusionGenerationConfig
 from trl_diffusion import cli as cli_module
-from trl_diffusion.cli import TRAINING_COMMANDS, DiffusionScriptArguments, EvalArguments, main, run_recipe
+from trl_diffusion.cli import main
 from trl_diffusion.evaluation import TaskEvaluationCallback, evaluate_task
+from trl_diffusion.scripts import eval as eval_script
+from trl_diffusion.scripts import train as train_script
+from trl_diffusion.scripts.eval import EvalScriptArguments
+from trl_diffusion.scripts.registry import TRAINING_COMMANDS, trainer_classes
+from trl_diffusion.scripts.train import make_parser as make_training_parser
+from trl_diffusion.scripts.train import run_recipe
+from trl_diffusion.scripts.utils import DiffusionScriptArguments
 from trl_diffusion.tasks import TASKS, Task
+from trl_diffusion.trainer.base_config import SAMPLER_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONSOLE_SCRIPT = Path(sys.executable).with_name("trl-diffusion")
@@ -127,12 +137,13 @@ def subprocess_env() -> dict[str, str]:
 
 @pytest.mark.parametrize("command", list(TRAINING_COMMANDS))
 def test_help_lists_every_field(command, capsys):
-    config_class, _ = cli_module._trainer_classes(command)
+    config_class, _ = trainer_classes(command)
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    refused = getattr(config_class, "unsupported_fields", {})
+    # The fields a dataclass refuses, and `sft`'s `reward_funcs` (SFT takes no reward functions), have no flag.
+    refused = {**make_training_parser(command).refused_fields, **({"reward_funcs": None} if command == "sft" else {})}
     for dataclass in (DiffusionScriptArguments, config_class, ModelConfig):
         fields = [f.name for f in dataclasses.fields(dataclass) if f.init]
         missing = [name for name in fields if name not in refused and f"  --{name} " not in help_text]
@@ -166,7 +177,131 @@ def test_eval_help_lists_every_field(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     help_text = capsys.readouterr().out
-    assert all(f"--{f.name} " in help_text for f in dataclasses.fields(EvalArguments))
+    assert all(f"--{f.name} " in help_text for f in dataclasses.fields(EvalScriptArguments))
+    sampler = [f.name for f in dataclasses.fields(DiffusionGenerationConfig)]
+    assert all(f"--{name} " in help_text for name in sampler if name not in ("record_steps", "seed"))
+    # No flag for what eval does not read (the canvas history); one `--seed`, eval's own.
+    assert "--record_steps" not in help_text and len(re.findall(r"^  --seed ", help_text, re.MULTILINE)) == 1
+
+
+# ------------------------------------------------------------------------------------- flags the command reads
+
+# The script arguments each training command reads (`trl_diffusion.scripts.train`, `tasks.loading`, the relaunch).
+SCRIPT_FLAGS = {
+    "dataset_name",
+    "dataset_config",
+    "dataset_train_split",
+    "dataset_test_split",
+    "dataset_streaming",
+    "reward_funcs",
+    "num_train_examples",
+    "eval_every_steps",
+    "eval_task",
+    "eval_split",
+    "eval_num_examples",
+    "eval_generation_batch_size",
+    "eval_max_completion_length",
+    "eval_block_length",
+    "eval_diffusion_steps",
+    "accelerate_config",
+}
+ESTIMATOR_FIELDS = {"num_mc_samples", "mask_sampler", "length_norm", "timestep_eps"}
+# Config fields that the config itself consumes: LFPO's `warmup_ratio` becomes a fractional `warmup_steps`.
+READ_BY_THE_CONFIG = {"warmup_ratio"}
+
+
+def _sources(*modules) -> str:
+    return "".join(Path(importlib.import_module(module).__file__).read_text() for module in modules)
+
+
+@pytest.mark.parametrize("command", list(TRAINING_COMMANDS))
+def test_training_flags_are_fields_the_command_reads(command):
+    """Every flag of a training command is a field its code reads: the script arguments that the training script
+    reads, `trl.ModelConfig`, TRL's own fields (less those the config refuses), and each field a trl_diffusion config
+    adds is a sampler field or read by the trainer's code."""
+    config_class, trainer_class = trainer_classes(command)
+    flags = set(make_training_parser(command).flags)
+    script_flags = SCRIPT_FLAGS - ({"reward_funcs"} if command == "sft" else set())
+    config_flags = {f.name for f in dataclasses.fields(config_class) if f.init} - set(config_class.unsupported_fields)
+    assert flags == script_flags | config_flags | {f.name for f in dataclasses.fields(ModelConfig)}
+    assert "ignore_bias_buffers" not in flags  # TRL's DPO switch, read by no command
+    if command in ("diffu_grpo", "lfpo"):  # no sequence ELBO: no Monte Carlo estimator
+        assert not ESTIMATOR_FIELDS & flags
+    if command == "diffu_grpo":  # mean-field log-probs over the whole canvas: no completion region
+        assert "elbo_region" not in flags
+
+    script_source = _sources("trl_diffusion.scripts.train", "trl_diffusion.tasks.loading", "trl_diffusion.cli")
+    unread = [name for name in script_flags if not re.search(rf"(script_args|namespace)\.{name}\b", script_source)]
+    assert not unread, f"`trl-diffusion {command}` offers script arguments its code does not read: {unread}"
+    trl_base = next(cls for cls in config_class.__mro__ if cls.__module__.startswith("trl.trainer."))
+    trl_fields = {f.name for f in dataclasses.fields(trl_base)}
+    own = config_flags - trl_fields - set(SAMPLER_FIELDS)
+    trainer_source = _sources(
+        *{cls.__module__ for cls in trainer_class.__mro__ if cls.__module__.startswith("trl_diffusion.")}
+    )
+    unread = sorted(name for name in own - READ_BY_THE_CONFIG if not re.search(rf"\.{name}\b", trainer_source))
+    post_init = inspect.getsource(config_class.__post_init__)
+    assert all(f"self.{name}" in post_init for name in own & READ_BY_THE_CONFIG)
+    assert not unread, (
+        f"`trl-diffusion {command}` offers {config_class.__name__} fields its trainer does not read: {unread}"
+    )
+
+
+def test_eval_flags_are_its_arguments_and_the_sampler_fields():
+    flags = set(eval_script.make_parser().flags)
+    own = {f.name for f in dataclasses.fields(EvalScriptArguments)}
+    sampler = {f.name for f in dataclasses.fields(DiffusionGenerationConfig)} - {"record_steps", "seed"}
+    assert flags == own | sampler
+    source = _sources("trl_diffusion.scripts.eval")
+    assert all(re.search(rf"args\.{name}\b", source) for name in own)  # the sampler goes whole to evaluate_task
+
+
+def test_eval_sampler_defaults_to_the_task_and_greedy(tmp_path):
+    countdown = TASKS["countdown"]
+    args, sampler, task = eval_script.parse_args(["--model", "m", "--task", "countdown"])
+    assert task is countdown and args.seed == 0 and sampler.temperature == 0.0
+    assert (sampler.max_completion_length, sampler.block_length) == (
+        countdown.max_completion_length,
+        countdown.block_length,
+    )
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text("task: sudoku\nblock_length: 16\ntemperature: 0.5\n")
+    args, sampler, task = eval_script.parse_args(["--config", str(recipe), "--model", "m", "--block_length", "8"])
+    assert task is TASKS["sudoku"] and sampler.temperature == 0.5 and sampler.seed is None
+    assert (sampler.max_completion_length, sampler.block_length) == (TASKS["sudoku"].max_completion_length, 8)
+
+
+def test_moved_names_still_import_from_cli_with_a_warning():
+    with pytest.warns(FutureWarning, match="moved to `trl_diffusion.scripts.train.run_recipe`"):
+        assert cli_module.run_recipe is run_recipe
+    with pytest.raises(AttributeError):
+        getattr(cli_module, "no_such_name")  # noqa: B009
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream", "llama"])
+def test_lora_rules_by_model_family(model_type):
+    from trl_diffusion.models.lora import LORA_RULES, lora_config_for
+
+    config = lora_config_for(model_type, ModelConfig(use_peft=True, lora_r=4))
+    rule = LORA_RULES.get(model_type)
+    if rule is None:  # TRL's config unchanged
+        assert config.task_type == "CAUSAL_LM" and config.exclude_modules is None
+        return
+    assert set(config.target_modules) == set(rule.target_modules)
+    assert config.task_type == ("CAUSAL_LM" if rule.causal_lm_task else None)
+    assert config.exclude_modules == (set(rule.exclude_modules) if rule.exclude_modules else None)
+    # Own target modules: no exclusion meant for the defaults.
+    config = lora_config_for(model_type, ModelConfig(use_peft=True, lora_target_modules=["q_proj", "v_proj"]))
+    assert config.target_modules == {"q_proj", "v_proj"} and config.exclude_modules is None
+    assert lora_config_for(model_type, ModelConfig(use_peft=False)) is None
+
+
+@pytest.mark.parametrize("script, argv", [(train_script, ["bgpo", "--help"]), (eval_script, ["--help"])])
+def test_scripts_run_on_their_own(script, argv, capsys):
+    """`python -m trl_diffusion.scripts.train bgpo ...` and `python -m trl_diffusion.scripts.eval ...`."""
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    assert exit_info.value.code == 0 and "--temperature" in capsys.readouterr().out
 
 
 def test_top_level_help_lists_subcommands(capsys):
@@ -421,7 +556,7 @@ def test_espo_example_runs_one_step(tiny_llada_dir, tmp_path):
 def test_config_file_may_spell_out_a_refused_field_at_its_accepted_value(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("use_vllm: false\ntop_p: 1.0\nnum_mc_samples: 3\n")
-    parser = cli_module.make_training_parser("bgpo")
+    parser = make_training_parser("bgpo")
     _, config, _ = parser.parse_args_and_config(
         ["--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu", "--bf16", "false"]
     )
