@@ -1,25 +1,51 @@
 """The training subcommands of `trl-diffusion`. Light on purpose (it imports nothing): `trl-diffusion --help` lists
-them without importing TRL or a trainer. A new trainer is one line here, its config and trainer exported by
-`trl_diffusion.trainer`."""
+them without importing TRL or a trainer. A new trainer is one line here: the classes are found by their module path,
+so nothing else needs editing for the command line to know them."""
 
 from __future__ import annotations
 
-# subcommand -> (config class, trainer class, one-line help); the classes are names in `trl_diffusion.trainer`.
+import importlib
+
+# subcommand -> (config class, trainer class, one-line help); a class is `module.Class`, the module relative to
+# `trl_diffusion.trainer`.
 TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "diffu_grpo": ("DiffuGRPOConfig", "DiffuGRPOTrainer", "d1's diffu-GRPO: mean-field log-probs, token-level GRPO"),
-    "vrpo": ("VRPOConfig", "VRPOTrainer", "online VRPO: sequence ELBO ratio, all Monte Carlo graphs in one backward"),
-    "bgpo": ("BGPOConfig", "BGPOTrainer", "BGPO: linear lower bound, one backward per Monte Carlo sample"),
-    "espo": ("ESPOConfig", "ESPOTrainer", "ESPO: coupled ELBO, clipped sequence ratio, k2 KL"),
-    "lfpo": ("LFPOConfig", "LFPOTrainer", "LFPO: likelihood-free contrastive logits on trajectory states"),
-    "sft": ("DiffusionSFTConfig", "DiffusionSFTTrainer", "masked-diffusion SFT on prompt / completion pairs"),
+    "diffu_grpo": (
+        "diffu_grpo_config.DiffuGRPOConfig",
+        "diffu_grpo_trainer.DiffuGRPOTrainer",
+        "d1's diffu-GRPO: mean-field log-probs, token-level GRPO",
+    ),
+    "vrpo": (
+        "vrpo_config.VRPOConfig",
+        "vrpo_trainer.VRPOTrainer",
+        "online VRPO: sequence ELBO ratio, all Monte Carlo graphs in one backward",
+    ),
+    "bgpo": (
+        "bgpo_config.BGPOConfig",
+        "bgpo_trainer.BGPOTrainer",
+        "BGPO: linear lower bound, one backward per Monte Carlo sample",
+    ),
+    "espo": ("espo_config.ESPOConfig", "espo_trainer.ESPOTrainer", "ESPO: coupled ELBO, clipped sequence ratio, k2 KL"),
+    "lfpo": (
+        "lfpo_config.LFPOConfig",
+        "lfpo_trainer.LFPOTrainer",
+        "LFPO: likelihood-free contrastive logits on trajectory states",
+    ),
+    "sft": (
+        "sft_config.DiffusionSFTConfig",
+        "sft_trainer.DiffusionSFTTrainer",
+        "masked-diffusion SFT on prompt / completion pairs",
+    ),
 }
 
 
-def trainer_classes(command: str) -> tuple[type, type]:
-    """`(config class, trainer class)` of a training subcommand (imports `trl_diffusion.trainer`)."""
-    from .. import trainer
+def _load(path: str) -> type:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"trl_diffusion.trainer.{module}"), name)
 
+
+def trainer_classes(command: str) -> tuple[type, type]:
+    """`(config class, trainer class)` of a training subcommand (imports its modules)."""
     if command not in TRAINING_COMMANDS:
         raise ValueError(f"Unknown training command {command!r}: choose one of {list(TRAINING_COMMANDS)}.")
-    config_name, trainer_name, _ = TRAINING_COMMANDS[command]
-    return getattr(trainer, config_name), getattr(trainer, trainer_name)
+    config_path, trainer_path, _ = TRAINING_COMMANDS[command]
+    return _load(config_path), _load(trainer_path)
