@@ -3,6 +3,7 @@ with the signature it was checked against, and the TRL attributes they use exist
 changes under the package (the pin is `trl==1.16.*`)."""
 
 import inspect
+import types
 
 import pytest
 from trl import GRPOTrainer
@@ -70,3 +71,19 @@ def test_the_old_names_of_the_base_still_resolve_with_a_warning():
 
     with pytest.warns(FutureWarning, match="`DiffusionGRPOTrainer` is renamed `DiffusionRLTrainer`"):
         assert trl_diffusion.DiffusionGRPOTrainer is DiffusionRLTrainer
+
+
+@pytest.mark.parametrize("optim", ["lomo", "adalomo"])
+def test_the_piecewise_step_refuses_lomo(optim, tiny_llada_dir, tmp_path):
+    """LOMO updates the weights inside each backward, so BGPO's one backward per Monte Carlo sample would step the
+    optimiser once per sample."""
+    args = tiny_grpo_config(BGPOConfig, tmp_path, num_mc_samples=2, optim=optim)
+    with pytest.raises(ValueError, match="LOMO / AdaLOMO.*not supported by the trainers that back-propagate"):
+        tiny_trainer(BGPOTrainer, tiny_llada_dir, args)
+
+
+def test_the_piecewise_step_refuses_context_parallelism(tiny_llada_dir, tmp_path, monkeypatch):
+    args = tiny_grpo_config(BGPOConfig, tmp_path, num_mc_samples=2)
+    monkeypatch.setattr(args, "parallelism_config", types.SimpleNamespace(cp_enabled=True), raising=False)
+    with pytest.raises(ValueError, match="context parallelism"):
+        tiny_trainer(BGPOTrainer, tiny_llada_dir, args)
