@@ -42,14 +42,14 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NUMBER = re.compile(r"[x0-9.,/%+-]+")
 
 TRAINERS = {
-    "d1": (DiffuGRPOConfig, DiffuGRPOTrainer),
+    "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer),
     "vrpo": (VRPOConfig, VRPOTrainer),
     "bgpo": (BGPOConfig, BGPOTrainer),
     "espo": (ESPOConfig, ESPOTrainer),
     "lfpo": (LFPOConfig, LFPOTrainer),
 }
-LABELS = {"d1": "DiffuGRPO (d1)", "vrpo": "VRPO", "bgpo": "BGPO", "espo": "ESPO", "lfpo": "LFPO"}
-COLORS = {"d1": "tab:gray", "vrpo": "tab:red", "bgpo": "tab:blue", "espo": "tab:orange", "lfpo": "tab:green"}
+LABELS = {"diffu_grpo": "DiffuGRPO (d1)", "vrpo": "VRPO", "bgpo": "BGPO", "espo": "ESPO", "lfpo": "LFPO"}
+COLORS = {"diffu_grpo": "tab:gray", "vrpo": "tab:red", "bgpo": "tab:blue", "espo": "tab:orange", "lfpo": "tab:green"}
 LINE_STYLES = {"vrpo": "o-", "bgpo": "s-", "espo": "^-", "lfpo": "D--"}
 
 

@@ -57,10 +57,10 @@ RL_SETTINGS = {
     "gradient_checkpointing": False,
 }
 # KL coefficient towards the SFT model, as in the demo; LFPO has no likelihood and so no KL term.
-BETA = {"d1": 0.04, "vrpo": 0.04, "bgpo": 0.04, "espo": 0.04, "lfpo": 0.0}
+BETA = {"diffu_grpo": 0.04, "vrpo": 0.04, "bgpo": 0.04, "espo": 0.04, "lfpo": 0.0}
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
-    "d1": ("p_mask_prompt",),
+    "diffu_grpo": ("p_mask_prompt",),
     "vrpo": ("num_mc_samples",),
     "bgpo": ("num_mc_samples",),
     "espo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),

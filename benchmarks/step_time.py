@@ -61,7 +61,7 @@ PHASES = ("generation", "scoring", "update")
 PHASE_COLORS = {"generation": "tab:purple", "scoring": "tab:olive", "update": "tab:cyan"}
 # The defaults that define each trainer's cost, reported with its timings.
 SETTINGS = {
-    "d1": ("num_iterations", "beta", "p_mask_prompt"),
+    "diffu_grpo": ("num_iterations", "beta", "p_mask_prompt"),
     "vrpo": ("num_mc_samples", "num_iterations", "beta"),
     "bgpo": ("num_mc_samples", "num_iterations", "beta"),
     "espo": ("num_mc_samples", "mask_sampler", "num_iterations", "beta"),

@@ -72,7 +72,7 @@ def test_step_time_smoke(tmp_path):
     step_time.main(["--smoke", "--output-dir", str(tmp_path)])
     payload = load_outputs(tmp_path, "step_time")
     results = {result["trainer"]: result for result in payload["results"]}
-    assert results.keys() == {"d1", "vrpo", "bgpo", "espo", "lfpo"}
+    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo"}
     for name, result in results.items():
         mean = result["mean_seconds_per_step"]
         assert set(mean) == {"total", "generation", "scoring", "update"}, name
@@ -114,7 +114,7 @@ def test_learning_smoke(tmp_path):
     settings = payload["settings"]
     assert settings["seeds"] == 1 and settings["rl_steps"] == 2 and settings["num_eval_examples"] == 16
     assert settings["rl"]["num_iterations"] == 1 and settings["beta"] == {
-        "d1": 0.04,
+        "diffu_grpo": 0.04,
         "vrpo": 0.04,
         "bgpo": 0.04,
         "espo": 0.04,
@@ -124,7 +124,7 @@ def test_learning_smoke(tmp_path):
     assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
     assert [run["seed"] for run in payload["sft"]["runs"]] == [0]
     results = {result["trainer"]: result for result in payload["results"]}
-    assert results.keys() == {"d1", "vrpo", "bgpo", "espo", "lfpo"}
+    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo"}
     for name, result in results.items():
         assert {
             "objective",

@@ -41,7 +41,7 @@ from helpers import (
 # ---------------------------------------------------------------------------------------------- shared helpers
 
 TRAINERS = {
-    "d1": (DiffuGRPOConfig, DiffuGRPOTrainer),
+    "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer),
     "vrpo": (VRPOConfig, VRPOTrainer),
     "bgpo": (BGPOConfig, BGPOTrainer),
 }
@@ -51,7 +51,7 @@ def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
     ELBO trainers."""
     settings = dict(beta=0.0)
-    if name != "d1":
+    if name != "diffu_grpo":
         settings["num_mc_samples"] = 2
     return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
 
@@ -103,7 +103,7 @@ ROLLOUT_KEYS = {
     "completions/mean_length",
 }
 TRAINER_KEYS = {
-    "d1": {"entropy", "clip_ratio/region_mean"},
+    "diffu_grpo": {"entropy", "clip_ratio/region_mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -180,8 +180,8 @@ def test_diffu_grpo_with_completions_padded_wider_than_the_canvas(tiny_llada_dir
     """`pad_to_multiple_of=16` with an 8-token canvas: TRL's completions are 16 wide. The 8 columns past the canvas
     are padding (outside the completion mask), so the loss and its gradient are those of the batch without them; and
     a run with stored old and reference log-probs (mu = 2, beta > 0) trains."""
-    args = make_args("d1", tmp_path, pad_to_multiple_of=16, num_iterations=2, beta=0.04)
-    trainer = make_trainer("d1", tiny_llada_dir, args)
+    args = make_args("diffu_grpo", tmp_path, pad_to_multiple_of=16, num_iterations=2, beta=0.04)
+    trainer = make_trainer("diffu_grpo", tiny_llada_dir, args)
     inputs = rollout_batch(trainer, inner_iteration=1)
     length = args.max_completion_length
     assert inputs["completion_ids"].shape[1] == 16 and inputs["old_mean_field_logps"].shape[2] == 16
@@ -218,7 +218,7 @@ class StepCounter(TrainerCallback):
         self.steps += 1
 
 
-@pytest.mark.parametrize(("name", "peft"), [("d1", True), ("vrpo", False), ("bgpo", False)])
+@pytest.mark.parametrize(("name", "peft"), [("diffu_grpo", True), ("vrpo", False), ("bgpo", False)])
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     args = make_args(name, tmp_path / "run", save_strategy="steps", save_steps=1, max_steps=2)
     uninterrupted = make_trainer(name, tiny_llada_dir, args, peft=peft)
@@ -251,7 +251,7 @@ def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
 # Rollout rounds that span several optimiser steps: inner iterations (mu = 2; ESPO's default mu = 8), or more
 # micro-batches per rollout than per optimiser step (steps_per_generation = 2 with GA = 1).
 ROUND_CASES = {
-    "d1": (DiffuGRPOConfig, DiffuGRPOTrainer, dict(num_iterations=2)),
+    "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer, dict(num_iterations=2)),
     "vrpo": (VRPOConfig, VRPOTrainer, dict(steps_per_generation=2)),
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
     "lfpo": (LFPOConfig, LFPOTrainer, dict(num_iterations=2, lfpo_num_states=2)),
@@ -288,18 +288,18 @@ def test_resume_inside_a_rollout_round_is_exact(name, tiny_llada_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------- configs
 
 CONFIG_ERRORS = [
-    ("d1", dict(num_generations=3), "divisible by num_generations"),
+    ("diffu_grpo", dict(num_generations=3), "divisible by num_generations"),
     ("vrpo", dict(num_mc_samples=0), "num_mc_samples"),
     ("bgpo", dict(num_mc_samples=-1), "num_mc_samples"),
-    ("d1", dict(use_vllm=True), "use_vllm"),
+    ("diffu_grpo", dict(use_vllm=True), "use_vllm"),
     ("vrpo", dict(use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
     ("bgpo", dict(use_liger_kernel=True), "use_liger_kernel"),
-    ("d1", dict(top_p=0.9), "top_p"),
+    ("diffu_grpo", dict(top_p=0.9), "top_p"),
     ("vrpo", dict(top_k=5), "top_k"),
     ("vrpo", dict(loss_type="grpo"), "loss_type"),
     ("bgpo", dict(loss_type="bnpo"), "loss_type"),
     ("bgpo", dict(importance_sampling_level="sequence"), "importance_sampling_level"),
-    ("d1", dict(max_completion_length=10), "multiple of `block_length`"),
+    ("diffu_grpo", dict(max_completion_length=10), "multiple of `block_length`"),
     ("bgpo", dict(max_completion_length=16, block_length=4, diffusion_steps=6), "multiple of the number of blocks"),
 ]
 
@@ -429,7 +429,12 @@ def test_raising_reward_is_logged_and_counted(tiny_llada_dir, tmp_path, caplog):
 
 def test_empty_dataset_raises(tiny_llada_dir, tmp_path):
     with pytest.raises(ValueError, match="empty"):
-        make_trainer("d1", tiny_llada_dir, make_args("d1", tmp_path), train_dataset=Dataset.from_dict({"prompt": []}))
+        make_trainer(
+            "diffu_grpo",
+            tiny_llada_dir,
+            make_args("diffu_grpo", tmp_path),
+            train_dataset=Dataset.from_dict({"prompt": []}),
+        )
 
 
 def test_tools_are_refused(tiny_llada_dir, tmp_path):
@@ -454,14 +459,14 @@ def test_prompt_longer_than_the_context(tiny_llada_dir, tmp_path, tiny_llada):
     context = tiny_llada.config.max_sequence_length
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x" * context + str(i)}] for i in range(2)]})
 
-    args = make_args("d1", tmp_path, max_prompt_length=None, max_steps=1)
-    trainer = make_trainer("d1", tiny_llada_dir, args, train_dataset=dataset)
+    args = make_args("diffu_grpo", tmp_path, max_prompt_length=None, max_steps=1)
+    trainer = make_trainer("diffu_grpo", tiny_llada_dir, args, train_dataset=dataset)
     with pytest.raises(ValueError, match="longer than the model's context"):
         trainer.train()
 
     # Truncated from the left, the prompt keeps its end (the chat template's generation prompt) and trains.
-    args = make_args("d1", tmp_path, max_prompt_length=16, max_steps=1)
-    trainer = make_trainer("d1", tiny_llada_dir, args, train_dataset=dataset)
+    args = make_args("diffu_grpo", tmp_path, max_prompt_length=16, max_steps=1)
+    trainer = make_trainer("diffu_grpo", tiny_llada_dir, args, train_dataset=dataset)
     rollouts = capture_rollouts(trainer)
     trainer.train()
     assert trainer.state.global_step == 1
@@ -485,7 +490,7 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
         return [float(i % 2) for i in range(len(completions))]
 
     overrides = dict(early_stop=True, beta=0.04)
-    if name != "d1":
+    if name != "diffu_grpo":
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)
