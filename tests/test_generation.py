@@ -386,7 +386,7 @@ def test_gumbel_max_is_llada_sampling():
         assert torch.equal(generation._gumbel_max(logits, temperature, uniform.clone()), llada)
 
 
-def test_recorded_history_matches_canvas_at(sharp_llama, tiny_tokenizer, chat_prompts):
+def test_recorded_history_matches_sequence_at(sharp_llama, tiny_tokenizer, chat_prompts):
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
     record_steps = (0, 2, 5, 9, 100)
     config = DiffusionGenerationConfig(
@@ -395,16 +395,16 @@ def test_recorded_history_matches_canvas_at(sharp_llama, tiny_tokenizer, chat_pr
     output = generate(sharp_llama, **chat_prompts, generation_config=config, adapter=adapter)
     assert len(output.history) == len(record_steps)
     for step, canvas in zip(record_steps, output.history):
-        assert torch.equal(canvas, output.canvas_at(step))
+        assert torch.equal(canvas, output.sequence_at(step))
     prompt_length = chat_prompts["input_ids"].shape[1]
     assert (output.history[0][:, prompt_length:] == adapter.mask_token_id).all()
     assert torch.equal(output.history[-1], output.sequences)
-    assert torch.equal(output.canvas_at(output.steps_per_row), output.sequences)
+    assert torch.equal(output.sequence_at(output.steps_per_row), output.sequences)
     # Per-row steps pick each row's own state.
     per_row_steps = torch.tensor([1, 2, 5])
-    per_row = output.canvas_at(per_row_steps)
+    per_row = output.sequence_at(per_row_steps)
     for row, step in enumerate(per_row_steps.tolist()):
-        assert torch.equal(per_row[row], output.canvas_at(step)[row])
+        assert torch.equal(per_row[row], output.sequence_at(step)[row])
 
 
 @pytest.mark.parametrize(

@@ -2,17 +2,19 @@
 remasking strategies, classifier-free guidance, Fast-dLLM's confidence-threshold parallel decoding and key/value
 caches, and early stopping at a terminator).
 
-The canvas is `[prompt (left-padded) | max_completion_length mask tokens]`. The completion is decoded block by block,
-left to right. Every step runs the model once, proposes a token `x0` for each masked position of the current block
-(argmax, or Gumbel-max at `temperature`), scores each proposal with a confidence, and commits the most confident ones:
-as many as the schedule says, or, with `threshold`, every proposal at least that confident. With a cache
-(`generation_cache`), only the first step of a block runs the whole canvas; the block's other steps recompute the block
-(and, for the prefix cache, everything after it) against keys and values cached at the block's first step.
+The full sequence is `[prompt (left-padded) | canvas]`, the canvas being `max_completion_length` mask tokens. The
+completion is decoded block by block, left to right. Every step runs the model once, proposes a token `x0` for each
+masked position of the current block (argmax, or Gumbel-max at `temperature`), scores each proposal with a
+confidence, and commits the most confident ones: as many as the schedule says, or, with `threshold`, every proposal
+at least that confident. With a cache (`generation_cache`), only the first step of a block runs the full sequence;
+the block's other steps recompute the block (and, for the prefix cache, everything after it) against keys and values
+cached at the block's first step.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,8 +72,8 @@ class DiffusionGenerationConfig:
             Stop decoding a row once it has committed a terminator with nothing masked before it; the positions
             still masked (all behind the terminator) are filled with the first terminator id (EOS).
         record_steps (`list[int]`, *optional*):
-            Steps at which to record the canvas before the step's commits, returned as `history` (a step past the
-            end records the final canvas).
+            Steps at which to record the full sequence before the step's commits, returned as `history` (a step
+            past the end records the final one).
         stop_patience (`int`, *optional*):
             Stop a row once its greedy prediction of the whole completion (committed tokens, and the argmax at every
             masked position) has been the same for this many consecutive steps, committing that prediction (LFPO's
@@ -80,8 +82,8 @@ class DiffusionGenerationConfig:
             Give proposals that are terminators the lowest confidence, so that they are committed only when the
             schedule runs out of other positions (LLaDA 1.5's `confidence_eos_eot_inf`).
         generation_cache (`str`, defaults to `"none"`):
-            Key/value caching of the denoising steps (Fast-dLLM). `"none"`: every step runs the whole canvas.
-            `"prefix"`: the first step of a block runs the whole canvas and caches it; the block's other steps feed
+            Key/value caching of the denoising steps (Fast-dLLM). `"none"`: every step runs the full sequence.
+            `"prefix"`: the first step of a block runs the full sequence and caches it; the block's other steps feed
             only the block and everything after it, reading the keys and values of the positions before the block
             (prompt and finished blocks) from that first step. `"dual"`: the block's other steps feed only the block,
             reading the positions before and after it from the first step. Both are approximations (cached positions
@@ -144,7 +146,9 @@ class DiffusionGenerationConfig:
     )
     record_steps: list[int] | None = field(
         default=None,
-        metadata={"help": "Steps at which to record the canvas (before that step's commits), returned as `history`."},
+        metadata={
+            "help": "Steps at which to record the full sequence (before that step's commits), returned as `history`."
+        },
     )
     stop_patience: int | None = field(
         default=None,
@@ -285,7 +289,7 @@ class DiffusionGenerationOutput:
             Cut it with [`cut_at_terminator`] before handing text to rewards.
         commit_step (`torch.LongTensor` of shape `(batch, max_completion_length)`):
             The step at which each completion position was committed (EOS fill counts as committed at the step the
-            row stopped). [`DiffusionGenerationOutput.canvas_at`] rebuilds any intermediate canvas from it.
+            row stopped). [`DiffusionGenerationOutput.sequence_at`] rebuilds any intermediate sequence from it.
         steps_per_row (`torch.LongTensor` of shape `(batch,)`):
             Steps (forward passes) each row took until it was finished.
         num_forward_passes (`int`):
@@ -310,8 +314,8 @@ class DiffusionGenerationOutput:
     mask_token_id: int
     history: list[torch.LongTensor] | None = None
 
-    def canvas_at(self, step: int | torch.Tensor) -> torch.LongTensor:
-        """The canvas that went into step `step`: every completion position committed at `step` or later masked.
+    def sequence_at(self, step: int | torch.Tensor) -> torch.LongTensor:
+        """The full sequence that went into step `step`: every completion position committed at `step` or later masked.
 
         Args:
             step (`int` or `torch.LongTensor` of shape `(batch,)`):
@@ -324,6 +328,16 @@ class DiffusionGenerationOutput:
         prompt_length = self.sequences.shape[1] - self.completion_ids.shape[1]
         completion = self.completion_ids.masked_fill(self.commit_step >= step, self.mask_token_id)
         return torch.cat([self.sequences[:, :prompt_length], completion], dim=1)
+
+    def canvas_at(self, step: int | torch.Tensor) -> torch.LongTensor:
+        """Deprecated name of [`sequence_at`] (the canvas is the completion part only)."""
+        warnings.warn(
+            "`DiffusionGenerationOutput.canvas_at` is renamed `sequence_at`; the old name will be removed in a future "
+            "release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.sequence_at(step)
 
 
 def num_transfer_tokens(masked_counts: torch.LongTensor, num_steps: int, schedule: str = "linear") -> torch.LongTensor:
@@ -409,19 +423,19 @@ class _CachedForward:
     """
 
     def __init__(
-        self, model, adapter: DiffusionAdapter, config: DiffusionGenerationConfig, model_inputs, canvas_shape
+        self, model, adapter: DiffusionAdapter, config: DiffusionGenerationConfig, model_inputs, sequence_shape
     ):
         self.model, self.adapter, self.config = model, adapter, config
         self.model_inputs = model_inputs  # active rows -> (input_ids, attention_mask), doubled under guidance
-        self.batch_size, self.canvas_length = canvas_shape
+        self.batch_size, self.sequence_length = sequence_shape
         self.cache = None
-        self.cache_ids = None  # canvas row r, and r + batch_size for its unconditional copy
+        self.cache_ids = None  # sequence row r, and r + batch_size for its unconditional copy
 
     def __call__(
         self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
     ) -> list[_Logits]:
         """Logits of one step for `active_rows`; `refresh` marks the rows entering a block, `block_start` gives each
-        row's block (as a canvas position)."""
+        row's block (as a position of the full sequence)."""
         config, adapter, guided = self.config, self.adapter, self.config.cfg_scale > 0
         max_completion_length = config.max_completion_length
         ids = torch.cat([active_rows, active_rows + self.batch_size]) if guided else active_rows
@@ -457,7 +471,7 @@ class _CachedForward:
         end = (
             start + config.block_length
             if config.generation_cache == "dual"
-            else torch.full_like(start, self.canvas_length)
+            else torch.full_like(start, self.sequence_length)
         )
         if guided:
             start, end = start.repeat(2), end.repeat(2)
@@ -469,7 +483,7 @@ class _CachedForward:
             end,
             cache_rows=cache_rows(cached) if len(refreshed) > 0 else None,
         )
-        prompt_length = self.canvas_length - max_completion_length
+        prompt_length = self.sequence_length - max_completion_length
         pieces.append(_Logits(logits, start=int(start.min()) - prompt_length, rows=cached if pieces else None))
         return pieces
 
@@ -546,11 +560,11 @@ def _check_inputs(
             "Prompts must be left-padded (the completion follows the last prompt token): tokenize with "
             "`tokenizer.padding_side = 'left'`."
         )
-    canvas_length = input_ids.shape[1] + config.max_completion_length
-    if adapter.context_length is not None and canvas_length > adapter.context_length:
+    sequence_length = input_ids.shape[1] + config.max_completion_length
+    if adapter.context_length is not None and sequence_length > adapter.context_length:
         raise ValueError(
-            f"The canvas is longer than the model's context: prompt length {input_ids.shape[1]} + "
-            f"max_completion_length {config.max_completion_length} = {canvas_length} > {adapter.context_length}. "
+            f"The full sequence is longer than the model's context: prompt length {input_ids.shape[1]} + "
+            f"max_completion_length {config.max_completion_length} = {sequence_length} > {adapter.context_length}. "
             "Shorten the prompts or `max_completion_length`."
         )
     if adapter.pad_token_id is not None and adapter.pad_token_id == adapter.mask_token_id:
@@ -649,13 +663,15 @@ def generate(
         else:
             generator.seed()
 
-    canvas = torch.cat([input_ids, input_ids.new_full((batch_size, max_completion_length), mask_token_id)], dim=1)
-    completion = canvas[:, prompt_length:]  # a view: committing into it writes the canvas
-    canvas_attention = torch.cat([attention_mask, attention_mask.new_ones((batch_size, max_completion_length))], dim=1)
+    sequence = torch.cat([input_ids, input_ids.new_full((batch_size, max_completion_length), mask_token_id)], dim=1)
+    completion = sequence[:, prompt_length:]  # a view: committing into it writes the sequence
+    sequence_attention = torch.cat(
+        [attention_mask, attention_mask.new_ones((batch_size, max_completion_length))], dim=1
+    )
     unconditional_prompt = input_ids.masked_fill(attention_mask.bool(), mask_token_id)
 
     def model_inputs(rows):
-        model_input, model_attention = canvas[rows], canvas_attention[rows]
+        model_input, model_attention = sequence[rows], sequence_attention[rows]
         if config.cfg_scale > 0:
             unconditional_input = torch.cat([unconditional_prompt[rows], model_input[:, prompt_length:]], dim=1)
             return torch.cat([model_input, unconditional_input]), torch.cat([model_attention, model_attention])
@@ -663,7 +679,7 @@ def generate(
 
     cached_forward = None
     if config.generation_cache != "none":
-        cached_forward = _CachedForward(model, adapter, config, model_inputs, canvas.shape)
+        cached_forward = _CachedForward(model, adapter, config, model_inputs, sequence.shape)
     terminator_ids = torch.tensor(adapter.terminator_ids, dtype=torch.long, device=device)
     positions = torch.arange(max_completion_length, device=device)
 
@@ -682,7 +698,7 @@ def generate(
     bar = tqdm(total=config.num_steps, desc="Denoising", disable=not progress_bar)
     while not finished.all():
         if step in record_steps:
-            recorded[step] = canvas.clone()
+            recorded[step] = sequence.clone()
         masked = completion == mask_token_id
 
         # Each row decodes the first block that still has masks; rows may be in different blocks under `threshold`.
@@ -778,9 +794,9 @@ def generate(
 
     history = None
     if config.record_steps is not None:
-        history = [recorded.get(record_step, canvas) for record_step in config.record_steps]
+        history = [recorded.get(record_step, sequence) for record_step in config.record_steps]
     return DiffusionGenerationOutput(
-        sequences=canvas,
+        sequences=sequence,
         completion_ids=completion,
         commit_step=commit_step,
         steps_per_row=steps_per_row,
@@ -838,8 +854,6 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "lfpo_inference_config":  # moved next to its algorithm
-        import warnings
-
         from .trainer.lfpo_config import lfpo_inference_config
 
         warnings.warn(
