@@ -454,10 +454,13 @@ def test_cut_at_terminator_keeps_the_first_terminator():
 
 
 def test_renamed_sampler_settings_still_work_with_a_warning():
-    with pytest.warns(
-        FutureWarning, match="`DiffusionGenerationConfig.gen_length` is renamed `max_completion_length`"
-    ):
+    with pytest.warns(FutureWarning) as record:
         config = DiffusionGenerationConfig(gen_length=16, block_length=8, steps=8, cache="prefix")
+    assert [str(warning.message).split(";")[0] for warning in record] == [
+        "`DiffusionGenerationConfig.gen_length` is renamed `max_completion_length`",
+        "`DiffusionGenerationConfig.steps` is renamed `diffusion_steps`",
+        "`DiffusionGenerationConfig.cache` is renamed `generation_cache`",
+    ]
     assert (config.max_completion_length, config.diffusion_steps, config.generation_cache) == (16, 8, "prefix")
     with pytest.warns(FutureWarning, match="renamed `diffusion_steps`"):
         assert config.steps == 8
