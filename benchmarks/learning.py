@@ -64,7 +64,7 @@ OBJECTIVE_FIELDS = {
     "vrpo": ("num_mc_samples",),
     "bgpo": ("num_mc_samples",),
     "espo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
-    "lfpo": ("lfpo_num_states", "lfpo_states", "lfpo_block_size", "contrastive_beta", "lfpo_variant"),
+    "lfpo": ("lfpo_num_states", "lfpo_states", "lfpo_group_size", "contrastive_beta", "lfpo_variant"),
 }
 
 

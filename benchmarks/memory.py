@@ -1,7 +1,7 @@
 """Memory of one training step against the number of Monte Carlo samples: VRPO, BGPO, ESPO and LFPO.
 
 Swept parameter: `num_mc_samples` (VRPO, BGPO; ESPO: coupled pairs, two forward passes each) and `lfpo_num_states`
-K (LFPO, with `lfpo_block_size` fixed to the micro-batch rows, so every block holds the same number of states). Every
+K (LFPO, with `lfpo_group_size` fixed to the micro-batch rows, so every block holds the same number of states). Every
 point runs ONE `training_step` (forward and backward; no optimiser step, no generation) on the same pre-generated
 rollout batch, fed through a patched `_prepare_inputs`, and records
 
@@ -183,7 +183,7 @@ def measure_point(job: dict) -> dict:
     rollout = RolloutSize(**job["rollout"])
     overrides = {SWEPT[name]: n, "beta": 0.0, "num_iterations": 1, "gradient_checkpointing": False}
     if name == "lfpo":
-        overrides["lfpo_block_size"] = rollout.rows
+        overrides["lfpo_group_size"] = rollout.rows
     trainer = make_trainer(name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]), **overrides)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -419,7 +419,7 @@ def main(argv=None) -> dict:
         "rollout": {**asdict(preset.rollout), **shape},
         "swept": SWEPT,
         "fixed_settings": {"beta": 0.0, "num_iterations": 1, "gradient_checkpointing": False, "advantages": "+1/-1"},
-        "lfpo_block_size": preset.rollout.rows,
+        "lfpo_group_size": preset.rollout.rows,
         "process_memory": "cuda_max_memory_allocated" if device == "cuda" else "rss_high_water_mark",
         "step_seconds_clock": CLOCK_NAMES[device],
         "glibc_mmap_threshold": ("fixed at 128 KiB" if fix_mmap_threshold else "glibc default")

@@ -65,7 +65,7 @@ SETTINGS = {
     "vrpo": ("num_mc_samples", "num_iterations", "beta"),
     "bgpo": ("num_mc_samples", "num_iterations", "beta"),
     "espo": ("num_mc_samples", "mask_sampler", "num_iterations", "beta"),
-    "lfpo": ("lfpo_num_states", "lfpo_block_size", "num_iterations"),
+    "lfpo": ("lfpo_num_states", "lfpo_group_size", "num_iterations"),
 }
 
 
@@ -229,7 +229,7 @@ def describe(settings: dict) -> str:
         "num_mc_samples": "n_t",
         "num_iterations": "mu",
         "lfpo_num_states": "K",
-        "lfpo_block_size": "block",
+        "lfpo_group_size": "block",
         "mask_sampler": "",
         "p_mask_prompt": "p_mask",
     }

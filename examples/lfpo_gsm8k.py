@@ -41,7 +41,7 @@ RECIPE = {
     # LFPO (the paper's values, LFPOConfig's defaults spelled out)
     "contrastive_beta": 1.0,
     "lfpo_num_states": 8,
-    "lfpo_block_size": 8,
+    "lfpo_group_size": 8,
     "adv_clip_max": 5.0,
     "ema_alpha_rate": 1e-3,
     "ema_alpha_max": 0.5,

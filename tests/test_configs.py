@@ -127,7 +127,7 @@ SPECS = {
     ),
     LFPOConfig: Spec(
         parent=DiffusionRLConfig,
-        changes=frozenset({"contrastive_beta", "adv_clip_max", "lfpo_num_states", "lfpo_states", "lfpo_block_size"})
+        changes=frozenset({"contrastive_beta", "adv_clip_max", "lfpo_num_states", "lfpo_states", "lfpo_group_size"})
         | {"lfpo_variant", "ema_alpha", "ema_alpha_rate", "ema_alpha_max", "weight_decay", "warmup_steps"}
         | {"warmup_ratio", "elbo_region"},
         defaults=dict(
@@ -135,7 +135,7 @@ SPECS = {
             adv_clip_max=5.0,
             lfpo_num_states=8,
             lfpo_states="trajectory",
-            lfpo_block_size=8,
+            lfpo_group_size=8,
             lfpo_variant="all",
             ema_alpha=None,
             ema_alpha_rate=1e-3,
@@ -199,7 +199,7 @@ CLI_VALUES = {
     "adv_clip_max": 2.0,
     "lfpo_num_states": 4,
     "lfpo_states": "forward",
-    "lfpo_block_size": 16,
+    "lfpo_group_size": 16,
     "lfpo_variant": "positive",
     "ema_alpha": 0.9,
     "ema_alpha_rate": 0.01,

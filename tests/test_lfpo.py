@@ -27,7 +27,7 @@ from helpers import gradients, rollout_batch, select_rows, tiny_grpo_config, tin
 
 
 def make_args(output_dir, **overrides):
-    return tiny_grpo_config(LFPOConfig, output_dir, **{"lfpo_num_states": 4, "lfpo_block_size": 4, **overrides})
+    return tiny_grpo_config(LFPOConfig, output_dir, **{"lfpo_num_states": 4, "lfpo_group_size": 4, **overrides})
 
 
 def make_trainer(model, args, **kwargs):
@@ -523,7 +523,7 @@ def test_activation_memory_is_flat_in_the_number_of_states(tiny_llada_dir, tmp_p
         inputs = dict(base)
         inputs["lfpo_state_masks"] = lfpo_state_masks(base["commit_step"], region, base["mask_seeds"], num_states)
         inputs["lfpo_scored_masks"] = inputs["lfpo_state_masks"] & region[:, None]
-        trainer.args.lfpo_block_size = block_size
+        trainer.args.lfpo_group_size = block_size
         trainer.model.zero_grad()
         with SavedTensorsMeter() as meter:
             trainer.training_step(trainer.model, inputs)
@@ -637,7 +637,7 @@ def test_warmup_is_a_fraction_of_the_run_and_bad_values_are_refused(tmp_path):
         (dict(contrastive_beta=0.0), "contrastive_beta"),
         (dict(adv_clip_max=-1.0), "adv_clip_max"),
         (dict(lfpo_num_states=0), "lfpo_num_states"),
-        (dict(lfpo_block_size=0), "lfpo_block_size"),
+        (dict(lfpo_group_size=0), "lfpo_group_size"),
         (dict(lfpo_states="random"), "lfpo_states"),
         (dict(lfpo_variant="both"), "lfpo_variant"),
         (dict(ema_alpha=1.0), "ema_alpha"),
@@ -646,3 +646,9 @@ def test_warmup_is_a_fraction_of_the_run_and_bad_values_are_refused(tmp_path):
     ):
         with pytest.raises(ValueError, match=match):
             LFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **overrides)
+
+
+def test_the_old_name_of_the_group_size_still_works_with_a_warning(tmp_path):
+    with pytest.warns(FutureWarning, match="`LFPOConfig.lfpo_block_size` is renamed `lfpo_group_size`"):
+        config = LFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, lfpo_block_size=4)
+    assert config.lfpo_group_size == 4

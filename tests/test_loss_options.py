@@ -128,7 +128,7 @@ TRAINERS = {
     "vrpo": (VRPOConfig, VRPOTrainer, dict(num_mc_samples=2)),
     "bgpo": (BGPOConfig, BGPOTrainer, dict(num_mc_samples=2)),
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
-    "lfpo": (LFPOConfig, LFPOTrainer, dict(lfpo_num_states=2, lfpo_block_size=4)),
+    "lfpo": (LFPOConfig, LFPOTrainer, dict(lfpo_num_states=2, lfpo_group_size=4)),
 }
 
 

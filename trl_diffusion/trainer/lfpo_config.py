@@ -2,12 +2,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..generation import DiffusionGenerationConfig
+from ..utils.deprecation import renamed_fields
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 LFPO_VARIANTS = ("all", "positive", "negative")
 LFPO_STATE_SOURCES = ("trajectory", "forward")
 
 
+@renamed_fields({"lfpo_block_size": "lfpo_group_size"})
 @dataclass
 class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
     r"""
@@ -34,7 +36,7 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         lfpo_states (`str`, *optional*, defaults to `"trajectory"`):
             `trajectory`: the sampler's own intermediate canvases (recorded at generation time); `forward`: the final
             completion re-masked with Bernoulli(t_k), t_k stratified in (0, 1).
-        lfpo_block_size (`int`, *optional*, defaults to `8`):
+        lfpo_group_size (`int`, *optional*, defaults to `8`):
             (row, state) pairs per forward and backward; activation memory does not grow with K.
         lfpo_variant (`str`, *optional*, defaults to `"all"`):
             `all`, or only the `positive` (z+) or the `negative` (z-) term.
@@ -69,7 +71,7 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
             "choices": list(LFPO_STATE_SOURCES),
         },
     )
-    lfpo_block_size: int = field(
+    lfpo_group_size: int = field(
         default=8, metadata={"help": "(row, state) pairs per forward and backward; memory does not grow with K."}
     )
     lfpo_variant: str = field(
@@ -130,8 +132,8 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
             raise ValueError(f"`contrastive_beta` must be positive, got {self.contrastive_beta}.")
         if self.adv_clip_max <= 0:
             raise ValueError(f"`adv_clip_max` must be positive, got {self.adv_clip_max}.")
-        if self.lfpo_num_states < 1 or self.lfpo_block_size < 1:
-            raise ValueError("`lfpo_num_states` and `lfpo_block_size` must be at least 1.")
+        if self.lfpo_num_states < 1 or self.lfpo_group_size < 1:
+            raise ValueError("`lfpo_num_states` and `lfpo_group_size` must be at least 1.")
         for name, choices in (("lfpo_states", LFPO_STATE_SOURCES), ("lfpo_variant", LFPO_VARIANTS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")

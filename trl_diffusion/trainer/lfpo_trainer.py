@@ -255,7 +255,7 @@ class LFPOTrainer(DiffusionRLTrainer):
         state_masks = inputs["lfpo_state_masks"]
         num_rows, num_states = state_masks.shape[:2]
         pairs = torch.cartesian_prod(torch.arange(num_rows), torch.arange(num_states)).to(state_masks.device)
-        blocks = pairs.split(self.args.lfpo_block_size)
+        blocks = pairs.split(self.args.lfpo_group_size)
         return len(blocks), self._block_losses(model, inputs, blocks, mode)
 
     def _block_losses(self, model, inputs: dict, blocks, mode: str) -> Iterator[torch.Tensor]:
