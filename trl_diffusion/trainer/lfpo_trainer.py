@@ -82,7 +82,7 @@ class LFPOTrainer(DiffusionRLTrainer):
     `loss = (c / b) * mean_(row, state) mean_(i masked) [r * CE(z+_i, y_i) + (1 - r) * CE(z-_i, y_i)]`.
     The old policy is an exponential moving average of the trained one (a second PEFT adapter, or a weight copy
     without PEFT), updated once per rollout round; it generates the rollouts. (row, state) pairs are processed in
-    blocks, each with its own backward, so memory does not grow with K.
+    groups, each with its own backward, so memory does not grow with K.
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` an [`LFPOConfig`].
 
@@ -255,10 +255,10 @@ class LFPOTrainer(DiffusionRLTrainer):
         state_masks = inputs["lfpo_state_masks"]
         num_rows, num_states = state_masks.shape[:2]
         pairs = torch.cartesian_prod(torch.arange(num_rows), torch.arange(num_states)).to(state_masks.device)
-        blocks = pairs.split(self.args.lfpo_group_size)
-        return len(blocks), self._block_losses(model, inputs, blocks, mode)
+        groups = pairs.split(self.args.lfpo_group_size)
+        return len(groups), self._group_losses(model, inputs, groups, mode)
 
-    def _block_losses(self, model, inputs: dict, blocks, mode: str) -> Iterator[torch.Tensor]:
+    def _group_losses(self, model, inputs: dict, groups, mode: str) -> Iterator[torch.Tensor]:
         beta, clip = self.args.contrastive_beta, self.args.adv_clip_max
         state_masks, scored_masks = inputs["lfpo_state_masks"], inputs["lfpo_scored_masks"]
         num_pairs = state_masks.shape[0] * state_masks.shape[1]
@@ -266,8 +266,8 @@ class LFPOTrainer(DiffusionRLTrainer):
         kept = self.completion_weights(inputs)
         scale = (clip / beta) / (num_pairs * self.loss_scale(mode))
         totals = torch.zeros(3, device=state_masks.device)
-        for block in blocks:
-            rows, states = block[:, 0], block[:, 1]
+        for group in groups:
+            rows, states = group[:, 0], group[:, 1]
             masks, scored = state_masks[rows, states], scored_masks[rows, states]
             logits = self._state_logits(model, inputs, rows, masks, scored)
             with torch.no_grad(), self.old_policy() as old:
@@ -287,7 +287,7 @@ class LFPOTrainer(DiffusionRLTrainer):
                 loss = loss + (1 - position_weight) * _cross_entropy(negative, targets)
             yield scale * (position_kept * loss / pair_sizes[position_pair]).sum()
             sizes = scored.sum(dim=1)
-            totals += torch.stack([sizes.sum(), (sizes == 0).sum(), torch.tensor(len(block))]).float()
+            totals += torch.stack([sizes.sum(), (sizes == 0).sum(), sizes.new_tensor(len(group))]).float()
         metrics = self._metrics[mode]
         gathered = self.accelerator.gather(torch.cat([totals, weights.mean().reshape(1)])[None])
         metrics["lfpo/masked_per_state"].append((gathered[:, 0].sum() / gathered[:, 2].sum()).item())
@@ -295,7 +295,7 @@ class LFPOTrainer(DiffusionRLTrainer):
         metrics["lfpo/optimality_mean"].append(gathered[:, 3].mean().item())
 
     def _compute_loss(self, model, inputs):
-        """The whole loss in one graph: what evaluation reports. Training back-propagates block by block."""
+        """The whole loss in one graph: what evaluation reports. Training back-propagates group by group."""
         mode = "train" if self.model.training else "eval"
         _, losses = self.loss_pieces(model, inputs, mode)
         return sum(losses)
