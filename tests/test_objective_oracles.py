@@ -64,6 +64,25 @@ def off_policy_batch(trainer_class, config_class, model_dir, output_dir, **setti
 # ---------------------------------------------------------------------------------------------- DiffuGRPO
 
 
+def moved_policy_loss_and_gradients(trainer, model, inputs, iteration):
+    """Moves the policy (as optimiser steps since the rollout would), then the trainer's loss of inner iteration
+    `iteration` and its gradients; the model's gradients are left zeroed for the reference computation."""
+    perturb(model, PERTURBATION, seed=10 + iteration)
+    model.zero_grad()
+    loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
+    loss.backward()
+    actual = gradients(model)
+    model.zero_grad()
+    return loss, actual
+
+
+def assert_same_loss_and_gradients(model, loss, actual, expected_loss):
+    """The trainer's loss and gradients `actual` equal the reference `expected_loss` and its gradients."""
+    expected_loss.backward()
+    torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-5, atol=1e-7)
+    assert_same_gradients(actual, gradients(model), rtol=1e-4, atol=1e-6)
+
+
 def mean_field_reference(model, inputs, p_mask_prompt, iteration):
     """d1's one-pass log-probs of the canvas tokens (every completion position masked, the prompt masked with the
     iteration's draw), at the positions of TRL's cut completions."""
@@ -100,14 +119,7 @@ def test_diffu_grpo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, t
 
     clipped_fractions = []
     for iteration in range(num_iterations):
-        # The policy has moved since the rollout (as after optimiser steps).
-        perturb(model, PERTURBATION, seed=10 + iteration)
-        model.zero_grad()
-        loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
-        loss.backward()
-        actual = gradients(model)
-
-        model.zero_grad()
+        loss, actual = moved_policy_loss_and_gradients(trainer, model, inputs, iteration)
         logps = mean_field_reference(model, inputs, p_mask_prompt, iteration)
         ratio = torch.exp(logps - old_logps[iteration])
         clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
@@ -115,11 +127,7 @@ def test_diffu_grpo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, t
         ref_gap = ref_logps[iteration] - logps
         per_token = per_token + beta * (torch.exp(ref_gap) - ref_gap - 1)
         expected_loss = (per_token * mask).sum() / mask.sum() / trainer.args.gradient_accumulation_steps
-        expected_loss.backward()
-        expected = gradients(model)
-
-        torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-5, atol=1e-7)
-        assert_same_gradients(actual, expected, rtol=1e-4, atol=1e-6)
+        assert_same_loss_and_gradients(model, loss, actual, expected_loss)
         clipped_fractions.append(((ratio - clipped).abs() > 0).float().mul(mask).sum().item() / mask.sum().item())
     # Some ratios are clipped and some are not: both branches of the min are exercised.
     assert 0 < max(clipped_fractions) and min(clipped_fractions) < 1, clipped_fractions
@@ -169,24 +177,14 @@ def test_espo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, tmp_pat
 
     clipped_rows, kl_shares = [], []
     for iteration in range(num_iterations):
-        perturb(model, PERTURBATION, seed=10 + iteration)
-        model.zero_grad()
-        loss = trainer._compute_loss(model, {**inputs, "inner_iteration": iteration})
-        loss.backward()
-        actual = gradients(model)
-
-        model.zero_grad()
+        loss, actual = moved_policy_loss_and_gradients(trainer, model, inputs, iteration)
         elbo = coupled_elbo_reference(model, inputs, num_pairs, iteration)
         ratio = torch.exp((elbo - old_elbos[iteration]) / length)
         clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
         policy = -torch.minimum(ratio * ADVANTAGES, clipped * ADVANTAGES)
         kl = (elbo - ref_elbos[iteration]).pow(2) / (2 * length)
         expected_loss = (policy + beta * kl).mean() / trainer.args.gradient_accumulation_steps
-        expected_loss.backward()
-        expected = gradients(model)
-
-        torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-5, atol=1e-7)
-        assert_same_gradients(actual, expected, rtol=1e-4, atol=1e-6)
+        assert_same_loss_and_gradients(model, loss, actual, expected_loss)
         clipped_rows.append(((ratio - clipped).abs() > 0).float().mean().item())
         kl_shares.append((beta * kl.mean() / (policy.abs().mean() + beta * kl.mean())).item())
     # The test has power: the ratio is clipped for some rows, and the KL term is a sizeable part of the loss.
