@@ -73,7 +73,7 @@ BASELINE = ("fixed", "none")
 @dataclass(frozen=True)
 class Preset:
     rows: int
-    gen_lengths: tuple[int, ...]
+    canvas_lengths: tuple[int, ...]
     block_length: int
     repeats: int  # timed runs per setting
     sft_steps: int | None  # the demo's SFT stage; None: the random-weight model of MODEL_SIZES["gpu"]
@@ -82,11 +82,11 @@ class Preset:
 
 
 PRESETS = {
-    "smoke": Preset(rows=2, gen_lengths=(16,), block_length=8, repeats=1, sft_steps=5, sft_completion_length=8),
+    "smoke": Preset(rows=2, canvas_lengths=(16,), block_length=8, repeats=1, sft_steps=5, sft_completion_length=8),
     "cpu": Preset(
-        rows=8, gen_lengths=(128, 256, 512), block_length=32, repeats=3, sft_steps=600, sft_completion_length=32
+        rows=8, canvas_lengths=(128, 256, 512), block_length=32, repeats=3, sft_steps=600, sft_completion_length=32
     ),
-    "gpu": Preset(rows=8, gen_lengths=(128, 256, 512), block_length=32, repeats=1, sft_steps=None),
+    "gpu": Preset(rows=8, canvas_lengths=(128, 256, 512), block_length=32, repeats=1, sft_steps=None),
 }
 
 
@@ -200,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "throughput",
         model_dir_help="Saved model to measure (default: the demo's SFT model on the CPU, random weights on a GPU).",
     )
-    parser.add_argument("--gen-lengths", nargs="+", type=int, help="Generation lengths (default: the preset's).")
+    parser.add_argument("--canvas-lengths", nargs="+", type=int, help="Canvas lengths L (max_completion_length; default: the preset's).")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -212,7 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device, preset_name, preset = select_preset(args, PRESETS)
-    gen_lengths = tuple(args.gen_lengths or preset.gen_lengths)
+    canvas_lengths = tuple(args.canvas_lengths or preset.canvas_lengths)
     repeats = args.repeats or preset.repeats
     set_threads(args.threads if device == "cpu" else None)
     started = time.perf_counter()
@@ -224,7 +224,7 @@ def main(argv=None) -> dict:
     dataset, input_ids, attention_mask = prompt_batch(task, tokenizer, preset.rows, device)
 
     results, summary = [], []
-    for max_completion_length in gen_lengths:
+    for max_completion_length in canvas_lengths:
         warm_up = decoding_config(max_completion_length, preset.block_length, *BASELINE)
         timed_generate(model, input_ids, attention_mask, warm_up, adapter, device)
         settings = []  # (result entry, config, timed seconds)
