@@ -200,7 +200,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "throughput",
         model_dir_help="Saved model to measure (default: the demo's SFT model on the CPU, random weights on a GPU).",
     )
-    parser.add_argument("--canvas-lengths", nargs="+", type=int, help="Canvas lengths L (max_completion_length; default: the preset's).")
+    parser.add_argument(
+        "--canvas-lengths",
+        nargs="+",
+        type=int,
+        help="Canvas lengths L (max_completion_length; default: the preset's).",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
