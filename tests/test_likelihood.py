@@ -347,7 +347,7 @@ def test_stratified_masks_are_uniform_subsets():
     assert torch.allclose(frequency, torch.full((6,), 7 / 12, dtype=torch.float64), atol=0.03)
 
 
-@pytest.mark.parametrize("sampler", ["stratified", "coupled", "uniform_t", "stratified_t"])
+@pytest.mark.parametrize("sampler", ["stratified", "coupled", "uniform_t", "stratified_t", "gauss_2"])
 def test_masks_are_keyed_by_seed_iteration_and_sample(sampler):
     region = _random_region(6, 12, torch.Generator().manual_seed(1)) | (torch.arange(12) < 8)
     seeds = torch.tensor([3, 1 << 40, -7, 0, 123456789, 2**62 - 1])
@@ -719,3 +719,57 @@ def test_trainer_timestep_sampler_has_mean_b_eps(sampler, num_mc_samples, contex
             low, high = eps + (1 - eps) * j / num_mc_samples, eps + (1 - eps) * (j + 1) / num_mc_samples
         statistic = _kolmogorov_smirnov_uniform(timesteps[:, j], low, high)
         assert statistic * math.sqrt(ORACLE_ROWS) < KS_CRITICAL, (j, statistic)
+
+
+# ------------------------------------------------------------------------- GDPO's quadrature over the masking rate
+
+
+def _gauss_legendre_rule(num_nodes):
+    """Nodes and weights of the `num_nodes`-point Gauss-Legendre rule on (0, 1), from numpy."""
+    nodes, weights = np.polynomial.legendre.leggauss(num_nodes)
+    return (nodes + 1) / 2, weights / 2
+
+
+def _bernoulli_integrand(table, t):
+    """E_{M ~ Bern(t)}[S(M)] / t over the region, exactly from the score table."""
+    f, n = table.mean_by_size(), table.n
+    return sum(math.comb(n, s) * t ** (s - 1) * (1 - t) ** (n - s) * f[s].item() for s in range(1, n + 1))
+
+
+@pytest.mark.parametrize(
+    "sampler, num_nodes, num_mc_samples", [("gauss_2", 2, 2), ("gauss_2", 2, 6), ("gauss_3", 3, 3)]
+)
+@pytest.mark.parametrize("elbo_region", ["canvas", "answer"])
+def test_trainer_quadrature_sampler_is_the_quadrature_of_the_elbo(
+    sampler, num_nodes, num_mc_samples, elbo_region, context_cases, tiny_llama_adapter, tmp_path
+):
+    """GDPO's estimator through the trainer's mask plan: Bernoulli(t_k) masks at the rule's nodes weighted
+    K a_k / t_k, whose mean is the quadrature `sum_k a_k E[S(M_{t_k})] / t_k`: exact (the ELBO) when the integrand's
+    degree n - 1 is at most 2K - 1, else biased by what the rule misses (printed; docs/likelihood.md quotes it)."""
+    completion_ids, table = context_cases[elbo_region]
+    n = table.n
+    plan = _trainer_plan(tiny_llama_adapter, completion_ids, sampler, elbo_region, num_mc_samples, tmp_path)
+    assert not (plan.masks & ~table.region).any() and plan.complement_masks is None
+    nodes, weights = _gauss_legendre_rule(num_nodes)
+    node_of_term = [j % num_nodes for j in range(num_mc_samples)]
+    expected_weights = torch.tensor([num_nodes * weights[k] / nodes[k] for k in node_of_term], dtype=torch.float32)
+    assert torch.allclose(plan.weights, expected_weights.expand(ORACLE_ROWS, -1))
+    # Each term masks each region position with its node's rate.
+    rates = plan.masks[..., table.region].double().mean(dim=(0, 2))
+    tolerance = 5 * torch.sqrt(torch.tensor(0.25 / (ORACLE_ROWS * n)))
+    assert ((rates - torch.tensor([nodes[k] for k in node_of_term])).abs() <= tolerance).all(), rates
+    quadrature = sum(weight * _bernoulli_integrand(table, node) for node, weight in zip(nodes, weights))
+    _assert_within_standard_errors(_plan_values(plan, table), quadrature)
+    if n <= 2 * num_nodes:
+        _assert_close(quadrature, table.elbo())
+    bias = quadrature - table.elbo()
+    print(
+        f"\n[{sampler}, n={n}, {elbo_region}] quadrature {quadrature:.4f}, ELBO {table.elbo():.4f}, bias {bias:+.4f}"
+    )
+
+
+def test_quadrature_sampler_needs_whole_nodes(tmp_path):
+    with pytest.raises(ValueError, match="must be a multiple of 3"):
+        tiny_grpo_config(SequenceELBOConfig, tmp_path, mask_sampler="gauss_3", num_mc_samples=4)
+    with pytest.raises(ValueError, match="must be a multiple of 2"):
+        sample_masks("gauss_2", torch.ones(1, 4, dtype=torch.bool), torch.tensor([1]), 0, 3)

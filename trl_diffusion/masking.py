@@ -9,6 +9,7 @@ never touched. The likelihood side (what is computed under these masks) lives in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,12 @@ import torch
 from .generation import completion_lengths
 from .seeding import MASK_COMPLETION, MASK_PROMPT, MASK_SAMPLE, keyed_generator
 
-SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t")
+# GDPO's semi-deterministic estimator: Gauss-Legendre nodes t_k on (0, 1) and weights a_k (summing to 1).
+QUADRATURE_RULES = {
+    "gauss_2": ((0.5 - 0.5 / math.sqrt(3.0), 0.5 + 0.5 / math.sqrt(3.0)), (0.5, 0.5)),
+    "gauss_3": ((0.5 - 0.5 * math.sqrt(0.6), 0.5, 0.5 + 0.5 * math.sqrt(0.6)), (5 / 18, 8 / 18, 5 / 18)),
+}
+SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t", *QUADRATURE_RULES)
 ELBO_REGIONS = ("canvas", "answer")
 LENGTH_NORMS = ("none", "canvas", "answer")
 
@@ -132,6 +138,33 @@ def coupled_counts(n: int, num_mc_samples: int, offset: int) -> list[int]:
     return [(offset + j * (n + 1) // num_mc_samples) % (n + 1) for j in range(num_mc_samples)]
 
 
+def quadrature_draws(sampler: str, num_mc_samples: int) -> list[tuple[float, float]]:
+    """GDPO's semi-deterministic terms: `(masking rate, weight)` of each of the `num_mc_samples` terms, a multiple of
+    the rule's K nodes. Term j sits at node `t_k`, k = j mod K: each region position is masked with probability `t_k`
+    (a random mask at a deterministic rate) and the term is weighted `K * a_k / t_k`, so that the mean over the
+    terms estimates `sum_k a_k * E[S(M_{t_k})] / t_k`, the K-node Gauss-Legendre quadrature of
+    `B = int_0^1 E[S(M_t)] / t dt`. The integrand is a polynomial of degree n - 1 in t (n the region size), so the
+    quadrature is exact up to n = 2K and its bias beyond is what the rule misses of a smooth integrand (measured in
+    docs/likelihood.md).
+
+    Args:
+        sampler (`str`):
+            A key of `QUADRATURE_RULES`.
+        num_mc_samples (`int`):
+            Number of terms, a multiple of the rule's number of nodes.
+    """
+    nodes, node_weights = QUADRATURE_RULES[sampler]
+    if num_mc_samples % len(nodes) != 0:
+        raise ValueError(
+            f"`mask_sampler={sampler!r}` has {len(nodes)} nodes: `num_mc_samples` ({num_mc_samples}) must be a "
+            f"multiple of {len(nodes)} (masks per node)."
+        )
+    return [
+        (nodes[index % len(nodes)], len(nodes) * node_weights[index % len(nodes)] / nodes[index % len(nodes)])
+        for index in range(num_mc_samples)
+    ]
+
+
 def stratified_timesteps(num_mc_samples: int, u: float, eps: float) -> list[float]:
     """Timesteps of the `stratified_t` sampler: `t_j = eps + (1 - eps) * (u + j) / num_mc_samples`.
 
@@ -153,7 +186,8 @@ def term_weights(sampler: str, n: int, draw: float) -> tuple[float, float]:
     """Weights of one Monte Carlo term `w * S(M) + w_c * S(R \\ M)`.
 
     `stratified`: `(n / l, 0)`. `coupled`: `((n + 1) / (2 l), (n + 1) / (2 (n - l)))`, the 1/2 of the pair folded
-    in, an empty half weighted 0. `uniform_t`, `stratified_t`: `(1 / t, 0)`. Every weight is 0 when `n = 0`.
+    in, an empty half weighted 0. `uniform_t`, `stratified_t`: `(1 / t, 0)`. Every weight is 0 when `n = 0`. (The
+    quadrature samplers' weights come with their sizes from [`quadrature_draws`].)
 
     Args:
         sampler (`str`):
@@ -234,6 +268,8 @@ def sample_masks(
     - `uniform_t`: t ~ U(eps, 1) per term, each region position masked with probability t, weight 1 / t.
     - `stratified_t`: t_j from [`stratified_timesteps`] with one u ~ U[0, 1) per completion, Bernoulli(t_j)
       masking, weight 1 / t_j.
+    - `gauss_2`, `gauss_3`: GDPO's quadrature ([`quadrature_draws`]): Bernoulli(t_k) masking at the 2 or 3
+      Gauss-Legendre nodes t_k, weight K a_k / t_k; `num_mc_samples` a multiple of the nodes.
 
     Args:
         sampler (`str`):
@@ -274,7 +310,12 @@ def sample_masks(
         n = positions.numel()
         if n == 0:
             continue  # nothing to score: every term is 0, and its forward pass still runs
-        draws = _completion_draws(sampler, n, num_mc_samples, eps, keyed_generator(seed, iteration, MASK_COMPLETION))
+        if sampler in QUADRATURE_RULES:
+            draws, quadrature_weights = zip(*quadrature_draws(sampler, num_mc_samples))
+        else:
+            draws = _completion_draws(
+                sampler, n, num_mc_samples, eps, keyed_generator(seed, iteration, MASK_COMPLETION)
+            )
         for mc_index, draw in enumerate(draws):
             generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index)
             if by_count:
@@ -282,7 +323,10 @@ def sample_masks(
             else:
                 chosen = positions[torch.rand(n, generator=generator, dtype=torch.float64) < draw]
             masks[row, mc_index, chosen] = True
-            weights[row, mc_index], complement_weights[row, mc_index] = term_weights(sampler, n, draw)
+            if sampler in QUADRATURE_RULES:
+                weights[row, mc_index] = quadrature_weights[mc_index]
+            else:
+                weights[row, mc_index], complement_weights[row, mc_index] = term_weights(sampler, n, draw)
 
     device = region.device
     if sampler != "coupled":

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..masking import LENGTH_NORMS, SAMPLERS
+from ..masking import LENGTH_NORMS, QUADRATURE_RULES, SAMPLERS
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 
@@ -18,7 +18,9 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
         num_mc_samples (`int`, *optional*, defaults to `1`):
             Monte Carlo samples n_t of the ELBO per completion (pairs for the `coupled` sampler).
         mask_sampler (`str`, *optional*, defaults to `"stratified"`):
-            How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t` or `stratified_t`.
+            How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t`, `stratified_t`, or GDPO's
+            semi-deterministic quadrature over the masking rate, `gauss_2` / `gauss_3` (2 or 3 Gauss-Legendre nodes,
+            `num_mc_samples` a multiple of them; biased, see docs/likelihood.md).
         elbo_region (`str`, *optional*, defaults to `"canvas"`):
             Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
             including the first terminator).
@@ -82,6 +84,13 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
         for name, choices in (("mask_sampler", SAMPLERS), ("length_norm", LENGTH_NORMS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
+        if self.mask_sampler in QUADRATURE_RULES:
+            num_nodes = len(QUADRATURE_RULES[self.mask_sampler][0])
+            if self.num_mc_samples % num_nodes != 0:
+                raise ValueError(
+                    f"`mask_sampler={self.mask_sampler!r}` has {num_nodes} nodes: `num_mc_samples` "
+                    f"({self.num_mc_samples}) must be a multiple of {num_nodes} (masks per node)."
+                )
         if not self.clip_sequence_ratio:
             for name, default in (("epsilon", 0.2), ("epsilon_high", None), ("delta", None)):
                 if getattr(self, name) != default:
