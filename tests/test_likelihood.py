@@ -773,3 +773,20 @@ def test_quadrature_sampler_needs_whole_nodes(tmp_path):
         tiny_grpo_config(SequenceELBOConfig, tmp_path, mask_sampler="gauss_3", num_mc_samples=4)
     with pytest.raises(ValueError, match="must be a multiple of 2"):
         sample_masks("gauss_2", torch.ones(1, 4, dtype=torch.bool), torch.tensor([1]), 0, 3)
+
+
+@pytest.mark.parametrize("trainer_name", ["vrpo", "bgpo"])
+def test_quadrature_sampler_trains(trainer_name, tiny_llada_dir, tmp_path):
+    """Two optimiser steps of a sequence-ELBO trainer with GDPO's quadrature: finite losses, weights that move."""
+    from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, VRPOConfig, VRPOTrainer
+
+    from helpers import tiny_trainer
+
+    config_class, trainer_class = {"vrpo": (VRPOConfig, VRPOTrainer), "bgpo": (BGPOConfig, BGPOTrainer)}[trainer_name]
+    args = tiny_grpo_config(config_class, tmp_path, mask_sampler="gauss_3", num_mc_samples=3, max_steps=2, beta=0.0)
+    trainer = tiny_trainer(trainer_class, tiny_llada_dir, args)
+    before = {name: value.clone() for name, value in trainer.model.named_parameters()}
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert any(not torch.equal(before[name], value) for name, value in trainer.model.named_parameters())
