@@ -310,3 +310,80 @@ def exact_elbo_eps(
         for mean in means
     ]
     return torch.stack(values)
+
+
+def coupled_token_scores(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    masks: torch.BoolTensor,
+    timesteps: torch.Tensor,
+    region: torch.BoolTensor | None = None,
+    scored: torch.BoolTensor | None = None,
+    full_view: bool = True,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """coupled-GRPO's per-token score (DiffuCoder) under a complementary pair of masks: with `z_1` the canvas whose
+    `masks` positions are masked, `z_2` the one whose other region positions are masked (the complement in R) and
+    `z_full` the one whose whole region is masked,
+
+        w_i = log p(y_i | x, z_1) / t   if i is in `masks`,   log p(y_i | x, z_2) / (1 - t)   otherwise,
+        s_i = (log p(y_i | x, z_full) + w_i) / 2   (`full_view`, DiffuCoder's code),   s_i = w_i   (the pair alone),
+
+    `t` the row's timestep. With the masks of [`~masking.sample_complementary_masks`] (t ~ U(a, b), each region
+    position in `z_1` with probability t), `E[w_i] = 1/(b - a) * int_a^b [g_i(t) + g_i(1 - t)] dt`, where
+    `g_i(t) = E[log p(y_i | x, y with i and each other region position masked with probability t)]` (each view is
+    one single-sample ELBO term of token i, so w_i is the sum of two); for a range symmetric about 1/2 that is twice
+    the per-token ELBO integral `int g_i(t) dt` over (a, b), renormalised. `s_i` is a weighted log-likelihood, not a
+    log-probability (1/t and 1/(1 - t) scale it by 1.25 to 5 for the default range). The views run as one forward
+    pass over the rows stacked three (two) times; the prompt is never masked. Logits are not divided by the sampling
+    temperature.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        masks (`torch.BoolTensor` of shape `(batch, completion_length)`):
+            The first view's masked positions (within `region`).
+        timesteps (`torch.Tensor` of shape `(batch,)`):
+            Each row's timestep t, in (0, 1).
+        region (`torch.BoolTensor` of shape `(batch, completion_length)`, *optional*):
+            The maskable positions (default: all); the second view masks `region & ~masks`, the full view `region`.
+        scored (`torch.BoolTensor` of shape `(batch, completion_length)`, *optional*):
+            Positions to score (default: the region); others get 0 and no softmax.
+        full_view (`bool`, *optional*, defaults to `True`):
+            Average the pair's score with the fully masked view's log-prob (one more view in the forward pass).
+        return_entropy (`bool`, *optional*, defaults to `False`):
+            Also return the (detached) entropy of each scored prediction in the view of the pair that masks it.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, completion_length)`, 0 outside the scored positions, and with
+        `return_entropy` a second one holding the entropies.
+    """
+    region = torch.ones_like(completion_ids, dtype=torch.bool) if region is None else region
+    scored = region if scored is None else scored & region
+    first = masks & region
+    views = [first, region & ~first, *([region] if full_view else [])]
+    repeat = len(views)
+    result = _scored_logprobs(
+        model,
+        adapter,
+        prompt_ids.repeat(repeat, 1),
+        prompt_mask.repeat(repeat, 1),
+        torch.cat([completion_ids.masked_fill(view, adapter.mask_token_id) for view in views]),
+        completion_ids.repeat(repeat, 1),
+        torch.cat([view & scored for view in views]),
+        return_entropy,
+    )
+    logprobs, entropy = result if return_entropy else (result, None)
+    per_view = logprobs.chunk(repeat)
+    t = timesteps.to(logprobs.device, torch.float32).unsqueeze(-1)
+    # Each pair view is 0 where it does not mask the position, so the sum picks the view that masks it.
+    scores = per_view[0] / t + per_view[1] / (1.0 - t)
+    if full_view:
+        scores = 0.5 * (per_view[2] + scores)
+    if not return_entropy:
+        return scores
+    entropies = entropy.chunk(repeat)
+    return scores, entropies[0] + entropies[1]

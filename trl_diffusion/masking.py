@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .generation import completion_lengths
-from .seeding import MASK_COMPLETION, MASK_PROMPT, MASK_SAMPLE, keyed_generator
+from .seeding import MASK_COMPLETION, MASK_PAIR, MASK_PROMPT, MASK_SAMPLE, keyed_generator
 
 # GDPO's semi-deterministic estimator: Gauss-Legendre nodes t_k on (0, 1) and weights a_k (summing to 1).
 QUADRATURE_RULES = {
@@ -370,3 +370,48 @@ def sample_prompt_masks(
             draws = torch.rand(positions.numel(), generator=generator, dtype=torch.float64)
             masked[row, positions[draws < p_mask_prompt]] = True
     return masked.to(prompt_mask.device)
+
+
+def sample_complementary_masks(
+    region: torch.BoolTensor,
+    seeds: torch.LongTensor,
+    iteration: int,
+    t_range: tuple[float, float] = (0.2, 0.8),
+) -> tuple[torch.BoolTensor, torch.Tensor]:
+    """coupled-GRPO's complementary pair of masks (DiffuCoder): per row, one timestep `t ~ U(t_range)` and one
+    `u_i ~ U[0, 1)` per region position, both from the row's seed and the inner iteration; the first view masks
+    `{i in R : u_i < t}` (each position with probability t), the second view its complement in R (each with
+    probability 1 - t), so every region position is masked in exactly one view. Returns the first view; the
+    likelihood side (`likelihood.coupled_token_scores`) masks the complement. A row's draws follow its region
+    positions in order, and never depend on the other rows (`t` is drawn per row, not per batch as in DiffuCoder's
+    code, whose batch-shared `t` would depend on how TRL shuffles and splits the batch).
+
+    Args:
+        region (`torch.BoolTensor` of shape `(batch, completion_length)`):
+            Maskable positions; positions outside are masked in neither view.
+        seeds (`torch.LongTensor` of shape `(batch,)`):
+            Per-row mask seeds.
+        iteration (`int`):
+            Inner-iteration index; each iteration gets a fresh pair.
+        t_range (`tuple[float, float]`, *optional*, defaults to `(0.2, 0.8)`):
+            `(low, high)` with `0 < low <= high < 1`: the range of the uniform timestep.
+
+    Returns:
+        `(masks, timesteps)`: the first view's `torch.BoolTensor` of shape `(batch, completion_length)` and the
+        float32 timesteps of shape `(batch,)`, both on the device of `region`.
+    """
+    low, high = (float(value) for value in t_range)
+    if not 0.0 < low <= high < 1.0:
+        raise ValueError(f"t_range must satisfy 0 < low <= high < 1, got {tuple(t_range)}.")
+    if seeds.shape != region.shape[:1]:
+        raise ValueError(f"seeds must have shape ({region.shape[0]},), got {tuple(seeds.shape)}.")
+    region_cpu = region.detach().to("cpu", torch.bool)
+    masks = torch.zeros_like(region_cpu)
+    timesteps = torch.zeros(region_cpu.shape[0], dtype=torch.float64)
+    for row, seed in enumerate(seeds.tolist()):
+        generator = keyed_generator(seed, iteration, MASK_PAIR)
+        timesteps[row] = low + (high - low) * torch.rand((), generator=generator, dtype=torch.float64)
+        positions = region_cpu[row].nonzero().squeeze(-1)
+        uniforms = torch.rand(positions.numel(), generator=generator, dtype=torch.float64)
+        masks[row, positions[uniforms < timesteps[row]]] = True
+    return masks.to(region.device), timesteps.to(region.device, torch.float32)

@@ -16,6 +16,7 @@ LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
     MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index)
     MASK_PROMPT      d1's prompt mask
     LFPO_STATES      LFPO's choice of trajectory states
+    MASK_PAIR        coupled-GRPO's complementary pair: the row's timestep t, then one uniform per canvas position
 
 Diffusion SFT noise: derive_seed(seed, SFT_TRAIN_NOISE, step, micro-batch, process) or (SFT_EVAL_NOISE, batch,
 process). Evaluation sampling: derive_seed(seed, example index).
@@ -33,6 +34,7 @@ MASK_COMPLETION = 0
 MASK_SAMPLE = 1
 MASK_PROMPT = 2
 LFPO_STATES = 3
+MASK_PAIR = 4
 SFT_TRAIN_NOISE = 0
 SFT_EVAL_NOISE = 1
 
