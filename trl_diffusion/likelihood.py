@@ -191,6 +191,76 @@ def mean_field_logprobs(
     )
 
 
+def autoregressive_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    positions: range,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact left-to-right log-probs `log p(y_t | x, y_<t, positions t..L-1 masked)` for the completion positions t
+    in `positions`, in one forward pass over `len(positions)` copies of each row (JustGRPO's likelihood).
+
+    The copy of row b for position t shows the prompt and `y_<t` and masks position t and everything after it;
+    attention covers the real prompt tokens and all L completion positions, the masked ones included, as in the
+    sampler's forward at that step. This is the distribution a decoding with `block_length=1` (one position per
+    step, left to right) samples position t from: the logits are divided by `temperature` and the mask token is
+    left out of the softmax (the sampler never proposes it), so that the ratio of two policies is a true token
+    ratio. Differentiable; the sum over every position is the exact log-likelihood of the completion in that order.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        positions (`range`):
+            Consecutive completion positions `start..stop-1` (a step of 1) scored by this pass.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature of the decoding (positive).
+        return_entropy (`bool`, *optional*, defaults to `False`):
+            Also return the (detached) entropy of each prediction.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, len(positions))`, and with `return_entropy` a second one holding the
+        entropies.
+    """
+    if positions.step != 1 or not 0 <= positions.start < positions.stop <= completion_ids.shape[1]:
+        raise ValueError(
+            f"`positions` must be a non-empty range of completion positions with step 1, got {positions}."
+        )
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be positive, got {temperature}.")
+    batch_size, length = completion_ids.shape
+    num_positions, start = len(positions), positions.start
+    device = completion_ids.device
+    scored = torch.arange(start, positions.stop, device=device)
+    # Copy j of a row sees the completion positions before start + j and masks the others.
+    visible = torch.arange(length, device=device)[None, :] < scored[:, None]  # (num_positions, L)
+    copies = completion_ids[:, None, :].masked_fill(~visible, adapter.mask_token_id)
+    input_ids = torch.cat([prompt_ids[:, None, :].expand(-1, num_positions, -1), copies], dim=2)
+    attention_mask = torch.cat(
+        [prompt_mask[:, None, :].expand(-1, num_positions, -1), torch.ones_like(copies, dtype=prompt_mask.dtype)],
+        dim=2,
+    )
+    # The logits of positions start..L-1 of every copy; copy j reads its own position, index j of that window.
+    logits = adapter.logits(
+        model, input_ids.flatten(0, 1), attention_mask.flatten(0, 1), num_logits=length - start
+    ).unflatten(0, (batch_size, num_positions))
+    index = torch.arange(num_positions, device=device)
+    position_logits = logits[:, index, index].float() / temperature  # (batch, num_positions, vocab)
+    del logits
+    mask_column = torch.tensor([adapter.mask_token_id], device=device)
+    log_probs = position_logits.index_fill(-1, mask_column, -math.inf).log_softmax(dim=-1)
+    targets = completion_ids[:, start : positions.stop]
+    logprobs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logprobs
+    detached = log_probs.detach()
+    entropy = -(detached.exp() * detached.nan_to_num(neginf=0.0)).sum(-1)
+    return logprobs, entropy
+
+
 def _count_weights(n: int, eps: float) -> list[float]:
     """`c_l = C(n, l) / (1 - eps) * int_eps^1 t^(l-1) (1 - t)^(n-l) dt` for l = 0..n (c_0 = 0).
 
