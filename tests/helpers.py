@@ -202,11 +202,18 @@ def cpu_argv(output_dir) -> list[str]:
 
 
 def cli_args(values: dict) -> list[str]:
-    """`--name value` for each of `values`, booleans written `true` / `false`."""
+    """`--name value` for each of `values`, booleans written `true` / `false`, a tuple as `--name v1 v2 ...`."""
     return [
         arg
         for name, value in values.items()
-        for arg in (f"--{name}", str(value).lower() if isinstance(value, bool) else str(value))
+        for arg in (
+            f"--{name}",
+            *(
+                map(str, value)
+                if isinstance(value, tuple)
+                else [str(value).lower() if isinstance(value, bool) else str(value)]
+            ),
+        )
     ]
 
 

@@ -225,9 +225,9 @@ def test_training_flags_are_fields_the_command_reads(command):
     config_flags = {f.name for f in dataclasses.fields(config_class) if f.init} - set(config_class.unsupported_fields)
     assert flags == script_flags | config_flags | {f.name for f in dataclasses.fields(ModelConfig)}
     assert "ignore_bias_buffers" not in flags  # TRL's DPO switch, read by no command
-    if command in ("diffu_grpo", "lfpo"):  # no sequence ELBO: no Monte Carlo estimator
+    if command in ("diffu_grpo", "lfpo", "coupled_grpo"):  # no sequence ELBO: no Monte Carlo estimator
         assert not ESTIMATOR_FIELDS & flags
-    if command == "diffu_grpo":  # mean-field log-probs over the whole canvas: no completion region
+    if command in ("diffu_grpo", "coupled_grpo"):  # token scores over the whole canvas: no completion region
         assert "elbo_region" not in flags
 
     script_source = _sources("trl_diffusion.scripts.train", "trl_diffusion.tasks.loading", "trl_diffusion.cli")
@@ -518,6 +518,7 @@ EXAMPLES = {
     "vrpo_gsm8k": "vrpo",
     "espo_sudoku": "espo",
     "lfpo_gsm8k": "lfpo",
+    "coupled_grpo_code": "coupled_grpo",
 }
 
 
@@ -551,6 +552,17 @@ def test_espo_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("espo", module.RECIPE, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_coupled_grpo_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """DiffuCoder's recipe (full fine-tuning, mu = 2, a reference model synced every 64 steps) on a tiny model, on
+    Countdown (one reward function) instead of MBPP (a download)."""
+    module = load_example("coupled_grpo_code")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += ["--dataset_name", "countdown", "--reward_weights", "1.0", *TINY_TRAINING, "--max_steps", "1"]
+    argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
+    assert run_recipe("coupled_grpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 def test_config_file_may_spell_out_a_refused_field_at_its_accepted_value(tmp_path):

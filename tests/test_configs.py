@@ -12,6 +12,7 @@ from trl import GRPOConfig, SFTConfig, TrlParser
 
 from trl_diffusion.trainer import (
     BGPOConfig,
+    CoupledGRPOConfig,
     DiffuGRPOConfig,
     DiffusionRLConfig,
     DiffusionSFTConfig,
@@ -90,6 +91,23 @@ SPECS = {
             p_mask_prompt=0.15,
             use_bias_correction_kl=False,
         ),
+    ),
+    # DiffuCoder: TRL's token-level loss with bnpo, clip 0.5, KL 0.01, leave-one-out advantages without scaling.
+    CoupledGRPOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"coupled_full_view", "coupled_t_range", "beta", "epsilon", "loss_type", "scale_rewards"})
+        | {"use_bias_correction_kl", "leave_one_out"},
+        defaults=dict(
+            coupled_full_view=True,
+            coupled_t_range=(0.2, 0.8),
+            loss_type="bnpo",
+            epsilon=0.5,
+            beta=0.01,
+            scale_rewards="none",
+            leave_one_out=True,
+            use_bias_correction_kl=False,
+        ),
+        values={"coupled_t_range": (0.3, 0.7)},
     ),
     VRPOConfig: Spec(
         parent=SequenceELBOConfig,

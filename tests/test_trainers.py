@@ -1,4 +1,5 @@
-"""End-to-end and bad-input tests of DiffuGRPOTrainer, VRPOTrainer and BGPOTrainer on a tiny native LLaDA (CPU).
+"""End-to-end and bad-input tests of DiffuGRPOTrainer, VRPOTrainer, BGPOTrainer and CoupledGRPOTrainer on a tiny
+native LLaDA (CPU).
 
 Each run trains for one or two optimiser steps on a 2-layer, 64-wide model; the option matrix (prompt format, LoRA,
 reference model, inner iterations, gradient accumulation, gradient checkpointing) is spread over a few cases per
@@ -17,6 +18,8 @@ from transformers import TrainerCallback
 from trl_diffusion.trainer import (
     BGPOConfig,
     BGPOTrainer,
+    CoupledGRPOConfig,
+    CoupledGRPOTrainer,
     DiffuGRPOConfig,
     DiffuGRPOTrainer,
     ESPOConfig,
@@ -44,6 +47,7 @@ TRAINERS = {
     "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer),
     "vrpo": (VRPOConfig, VRPOTrainer),
     "bgpo": (BGPOConfig, BGPOTrainer),
+    "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer),
 }
 
 
@@ -51,7 +55,7 @@ def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
     ELBO trainers."""
     settings = dict(beta=0.0)
-    if name != "diffu_grpo":
+    if name not in ("diffu_grpo", "coupled_grpo"):
         settings["num_mc_samples"] = 2
     return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
 
@@ -104,6 +108,7 @@ ROLLOUT_KEYS = {
 }
 TRAINER_KEYS = {
     "diffu_grpo": {"entropy", "clip_ratio/region_mean"},
+    "coupled_grpo": {"entropy", "clip_ratio/region_mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -218,7 +223,9 @@ class StepCounter(TrainerCallback):
         self.steps += 1
 
 
-@pytest.mark.parametrize(("name", "peft"), [("diffu_grpo", True), ("vrpo", False), ("bgpo", False)])
+@pytest.mark.parametrize(
+    ("name", "peft"), [("diffu_grpo", True), ("vrpo", False), ("bgpo", False), ("coupled_grpo", False)]
+)
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     args = make_args(name, tmp_path / "run", save_strategy="steps", save_steps=1, max_steps=2)
     uninterrupted = make_trainer(name, tiny_llada_dir, args, peft=peft)
@@ -252,6 +259,7 @@ def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
 # micro-batches per rollout than per optimiser step (steps_per_generation = 2 with GA = 1).
 ROUND_CASES = {
     "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer, dict(num_iterations=2)),
+    "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer, dict(num_iterations=2)),
     "vrpo": (VRPOConfig, VRPOTrainer, dict(steps_per_generation=2)),
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
     "lfpo": (LFPOConfig, LFPOTrainer, dict(num_iterations=2, lfpo_num_states=2)),
@@ -490,7 +498,7 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
         return [float(i % 2) for i in range(len(completions))]
 
     overrides = dict(early_stop=True, beta=0.04)
-    if name != "diffu_grpo":
+    if name not in ("diffu_grpo", "coupled_grpo"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

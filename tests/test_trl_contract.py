@@ -11,6 +11,7 @@ from trl import GRPOTrainer
 from trl_diffusion.trainer import (
     BGPOConfig,
     BGPOTrainer,
+    CoupledGRPOTrainer,
     DiffuGRPOTrainer,
     DiffusionRLTrainer,
     ESPOTrainer,
@@ -22,7 +23,15 @@ from trl_diffusion.trainer.base_trainer import TRL_ATTRIBUTES, TRL_CONTRACT, TRL
 
 from helpers import tiny_grpo_config, tiny_trainer
 
-TRAINER_CLASSES = [DiffusionRLTrainer, DiffuGRPOTrainer, VRPOTrainer, BGPOTrainer, ESPOTrainer, LFPOTrainer]
+TRAINER_CLASSES = [
+    DiffusionRLTrainer,
+    DiffuGRPOTrainer,
+    VRPOTrainer,
+    BGPOTrainer,
+    ESPOTrainer,
+    LFPOTrainer,
+    CoupledGRPOTrainer,
+]
 
 
 def test_installed_trl_matches_the_recorded_signatures():

@@ -46,6 +46,8 @@ _import_structure = {
     "trainer": [
         "BGPOConfig",
         "BGPOTrainer",
+        "CoupledGRPOConfig",
+        "CoupledGRPOTrainer",
         "DiffuGRPOConfig",
         "DiffuGRPOTrainer",
         "DiffusionRLConfig",
@@ -100,6 +102,8 @@ if TYPE_CHECKING:
     from .trainer import (
         BGPOConfig,
         BGPOTrainer,
+        CoupledGRPOConfig,
+        CoupledGRPOTrainer,
         DiffuGRPOConfig,
         DiffuGRPOTrainer,
         DiffusionRLConfig,

@@ -14,6 +14,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "diffu_grpo_trainer.DiffuGRPOTrainer",
         "d1's diffu-GRPO: mean-field log-probs, token-level GRPO",
     ),
+    "coupled_grpo": (
+        "coupled_grpo_config.CoupledGRPOConfig",
+        "coupled_grpo_trainer.CoupledGRPOTrainer",
+        "coupled-GRPO (DiffuCoder): token-level GRPO on complementary-pair mask scores",
+    ),
     "vrpo": (
         "vrpo_config.VRPOConfig",
         "vrpo_trainer.VRPOTrainer",

@@ -6,6 +6,8 @@ from .base_config import DiffusionRLConfig
 from .base_trainer import DiffusionRLTrainer
 from .bgpo_config import BGPOConfig
 from .bgpo_trainer import BGPOTrainer
+from .coupled_grpo_config import CoupledGRPOConfig
+from .coupled_grpo_trainer import CoupledGRPOTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
 from .espo_config import ESPOConfig
@@ -22,6 +24,8 @@ from .vrpo_trainer import VRPOTrainer
 __all__ = [
     "BGPOConfig",
     "BGPOTrainer",
+    "CoupledGRPOConfig",
+    "CoupledGRPOTrainer",
     "DiffuGRPOConfig",
     "DiffuGRPOTrainer",
     "DiffusionRLConfig",
