@@ -391,3 +391,23 @@ def test_config_reads_and_checks_the_t_range(tmp_path):
     for bad in ([0.0, 0.5], [0.5, 1.0], [0.7, 0.3], [0.5]):
         with pytest.raises(ValueError, match="coupled_t_range"):
             CoupledGRPOConfig(str(tmp_path), use_cpu=True, bf16=False, coupled_t_range=bad)
+
+
+def test_trl_loss_options_are_accepted_as_for_diffu_grpo(tmp_path):
+    """CoupledGRPO reuses TRL's token-level loss as DiffuGRPO does: every option of the DiffuGRPO column of
+    docs/trainers/index.md's table is accepted or refused the same way (the docs page says so)."""
+    from test_loss_options import TEST_VALUES, loss_option_table
+
+    checked = 0
+    for name, cells in loss_option_table().items():
+        cell = cells["DiffuGRPO"]
+        default = getattr(tiny_grpo_config(CoupledGRPOConfig, tmp_path), name)
+        value = (not default) if isinstance(default, bool) else TEST_VALUES[name]
+        if cell.startswith("refused"):
+            with pytest.raises(ValueError, match=f"`{name}="):
+                tiny_grpo_config(CoupledGRPOConfig, tmp_path, **{name: value})
+        else:
+            assert cell.startswith("✓"), (name, cell)
+            assert getattr(tiny_grpo_config(CoupledGRPOConfig, tmp_path, **{name: value}), name) == value
+        checked += 1
+    assert checked >= 12

@@ -33,6 +33,7 @@ _import_structure = {
     "evaluation": ["TaskEvaluationCallback", "evaluate_task"],
     "generation": ["DiffusionGenerationConfig", "DiffusionGenerationOutput", "cut_at_terminator", "generate"],
     "likelihood": [
+        "coupled_token_scores",
         "elbo_term",
         "elbo_terms",
         "exact_elbo",
@@ -40,7 +41,14 @@ _import_structure = {
         "masked_token_logprobs",
         "mean_field_logprobs",
     ],
-    "masking": ["MaskPlan", "completion_region", "length_normaliser", "new_mask_seeds", "sample_masks"],
+    "masking": [
+        "MaskPlan",
+        "completion_region",
+        "length_normaliser",
+        "new_mask_seeds",
+        "sample_complementary_masks",
+        "sample_masks",
+    ],
     "models": ["DiffusionAdapter", "DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM"],
     "tasks": ["TASKS", "Task", "get_task"],
     "trainer": [
@@ -89,6 +97,7 @@ if TYPE_CHECKING:
     from .evaluation import TaskEvaluationCallback, evaluate_task
     from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cut_at_terminator, generate
     from .likelihood import (
+        coupled_token_scores,
         elbo_term,
         elbo_terms,
         exact_elbo,
@@ -96,7 +105,14 @@ if TYPE_CHECKING:
         masked_token_logprobs,
         mean_field_logprobs,
     )
-    from .masking import MaskPlan, completion_region, length_normaliser, new_mask_seeds, sample_masks
+    from .masking import (
+        MaskPlan,
+        completion_region,
+        length_normaliser,
+        new_mask_seeds,
+        sample_complementary_masks,
+        sample_masks,
+    )
     from .models import DiffusionAdapter, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
     from .tasks import TASKS, Task, get_task
     from .trainer import (
