@@ -1,4 +1,5 @@
-"""One BGPO optimiser step on a tiny LLaDA, for the data-parallel checks of `tests/test_bgpo.py`.
+"""One BGPO (or wd1) optimiser step on a tiny LLaDA, for the data-parallel checks of `tests/test_bgpo.py` (and
+`tests/test_wd1.py`, with `--trainer wd1`).
 
 Run under torchrun, each rank saves `rank{r}.pt` (its parameters before and after the step, its rollouts and the log
 history) in `--output-dir`:
@@ -25,6 +26,11 @@ import torch  # noqa: E402
 # Prompts of different lengths, so that a process pads its prompts differently from the one-process batch.
 PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?", "name a colour", "ok", "spell cat", "add 10 and 25 now"]
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds", "advantages")
+# Per trainer: its config and trainer classes (in `trl_diffusion.trainer`) and the rollout keys it adds.
+TRAINERS = {
+    "bgpo": ("BGPOConfig", "BGPOTrainer", ()),
+    "wd1": ("WD1Config", "WD1Trainer", ("wd1_weights",)),
+}
 
 
 def reward(completions, **kwargs):
@@ -41,17 +47,26 @@ def train_one_step(
     num_mc_samples: int = 3,
     temperature: float = 0.7,
     learning_rate: float = 0.1,
+    trainer: str = "bgpo",
 ) -> dict:
-    """Trains BGPO for one optimiser step; returns this process's parameters (before, after), rollouts and logs."""
+    """Trains BGPO (or `trainer`) for one optimiser step; returns this process's parameters (before, after),
+    rollouts and logs."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from trl_diffusion.trainer import BGPOConfig, BGPOTrainer
+    import trl_diffusion.trainer
+
+    config_name, trainer_name, extra_keys = TRAINERS[trainer]
+    config_class, trainer_class = (
+        getattr(trl_diffusion.trainer, config_name),
+        getattr(trl_diffusion.trainer, trainer_name),
+    )
+    own_settings = {"num_mc_samples": num_mc_samples} if trainer == "bgpo" else {}
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for prompt in PROMPTS]})
-    args = BGPOConfig(
+    args = config_class(
         output_dir=output_dir,
         per_device_train_batch_size=per_device_train_batch_size,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -60,7 +75,7 @@ def train_one_step(
         block_length=8,
         diffusion_steps=8,
         temperature=temperature,
-        num_mc_samples=num_mc_samples,
+        **own_settings,
         max_steps=1,
         optim="sgd",
         learning_rate=learning_rate,
@@ -75,29 +90,29 @@ def train_one_step(
         gradient_checkpointing=False,
         disable_tqdm=True,
     )
-    trainer = BGPOTrainer(
+    trained = trainer_class(
         model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     rollouts = []
-    generate_and_score = trainer._generate_and_score_completions
+    generate_and_score = trained._generate_and_score_completions
 
     def recording(inputs):
         output = generate_and_score(inputs)
-        rollouts.append({key: output[key].detach().cpu().clone() for key in ROLLOUT_KEYS})
+        rollouts.append({key: output[key].detach().cpu().clone() for key in (*ROLLOUT_KEYS, *extra_keys)})
         return output
 
-    trainer._generate_and_score_completions = recording
-    before = {name: parameter.detach().cpu().clone() for name, parameter in trainer.model.named_parameters()}
-    trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    trained._generate_and_score_completions = recording
+    before = {name: parameter.detach().cpu().clone() for name, parameter in trained.model.named_parameters()}
+    trained.train()
+    model = trained.accelerator.unwrap_model(trained.model)
     return {
-        "rank": trainer.accelerator.process_index,
-        "world_size": trainer.accelerator.num_processes,
-        "distributed_type": str(trainer.accelerator.distributed_type),
+        "rank": trained.accelerator.process_index,
+        "world_size": trained.accelerator.num_processes,
+        "distributed_type": str(trained.accelerator.distributed_type),
         "before": before,
         "after": {name: parameter.detach().cpu().clone() for name, parameter in model.named_parameters()},
         "rollouts": rollouts,
-        "log_history": trainer.state.log_history,
+        "log_history": trained.state.log_history,
     }
 
 
@@ -107,12 +122,16 @@ def main():
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--per-device-train-batch-size", type=int, required=True)
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--num-generations", type=int, default=2)
+    parser.add_argument("--trainer", choices=list(TRAINERS), default="bgpo")
     parsed = parser.parse_args()
     result = train_one_step(
         parsed.model_dir,
         os.path.join(parsed.output_dir, "trainer"),
         parsed.per_device_train_batch_size,
         parsed.gradient_accumulation_steps,
+        num_generations=parsed.num_generations,
+        trainer=parsed.trainer,
     )
     torch.save(result, os.path.join(parsed.output_dir, f"rank{result['rank']}.pt"))
 

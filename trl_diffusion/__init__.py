@@ -68,6 +68,8 @@ _import_structure = {
         "LFPOTrainer",
         "VRPOConfig",
         "VRPOTrainer",
+        "WD1Config",
+        "WD1Trainer",
         "lfpo_inference_config",
     ],
 }
@@ -132,5 +134,7 @@ if TYPE_CHECKING:
         LFPOTrainer,
         VRPOConfig,
         VRPOTrainer,
+        WD1Config,
+        WD1Trainer,
         lfpo_inference_config,
     )

@@ -35,6 +35,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "lfpo_trainer.LFPOTrainer",
         "LFPO: likelihood-free contrastive logits on trajectory states",
     ),
+    "wd1": (
+        "wd1_config.WD1Config",
+        "wd1_trainer.WD1Trainer",
+        "wd1: ratio-free weighted likelihood (softmax(+-psi A) group weights) on mean-field log-probs",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

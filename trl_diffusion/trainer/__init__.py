@@ -20,6 +20,8 @@ from .sft_config import DiffusionSFTConfig
 from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
+from .wd1_config import WD1Config
+from .wd1_trainer import WD1Trainer
 
 __all__ = [
     "BGPOConfig",
@@ -38,6 +40,8 @@ __all__ = [
     "SequenceELBOTrainer",
     "VRPOConfig",
     "VRPOTrainer",
+    "WD1Config",
+    "WD1Trainer",
     "lfpo_inference_config",
     "DataCollatorForDiffusionSFT",
     "DiffusionSFTConfig",

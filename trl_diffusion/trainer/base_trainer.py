@@ -223,6 +223,10 @@ class TRLContractMixin:
         output["completion_canvas"] = rollout.completion_ids
         output["mask_seeds"] = handoff.mask_seeds
         output["commit_step"] = rollout.commit_step
+        # Whether some reward function scored the row (TRL gives the others advantage 0), this process's slice.
+        num_rows = rollout.completion_ids.shape[0]
+        first_row = self.accelerator.process_index * num_rows
+        output["scored_rows"] = handoff.scored_rows[first_row : first_row + num_rows]
         if self.args.leave_one_out:
             output["advantages"] = self.leave_one_out_advantages(output["advantages"], handoff.scored_rows, mode)
 
@@ -388,15 +392,15 @@ def trl_contract_drift() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
 class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
     """The shared base of the trl_diffusion RL trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
 
-    It is not an algorithm by itself. What it changes relative to `GRPOTrainer`: completions come from the
-    denoising sampler (`generate_rollout`), whose full canvases, commit steps and per-row mask seeds ride on the
-    batch (`completion_canvas`, `commit_step`, `mask_seeds`); prompts are truncated from the left; a reward function
-    that raises costs its batch, not the run; `leave_one_out` rescales TRL's group advantages; checkpoints keep the
-    rollout round in progress. A subclass defines `_score_rollouts` (what its objective needs from the old and
-    reference policies, computed once per rollout batch under no_grad) and `_compute_loss` (its objective), and,
-    for an objective back-propagated part by part, `backward_in_pieces = True` and `loss_pieces`. `tools`,
-    `rollout_func` and `environment_factory` are refused because the denoiser generates each completion in one
-    piece.
+    It is not an algorithm by itself. What it changes relative to `GRPOTrainer`: completions come from the denoising
+    sampler (`generate_rollout`), whose full canvases, commit steps and per-row mask seeds ride on the batch
+    (`completion_canvas`, `commit_step`, `mask_seeds`), with whether a reward function scored the row (`scored_rows`);
+    prompts are truncated from the left; a reward function that raises costs its batch, not the run; `leave_one_out`
+    rescales TRL's group advantages; checkpoints keep the rollout round in progress. A subclass defines
+    `_score_rollouts` (what its objective needs from the old and reference policies, computed once per rollout batch
+    under no_grad) and `_compute_loss` (its objective), and, for an objective back-propagated part by part,
+    `backward_in_pieces = True` and `loss_pieces`. `tools`, `rollout_func` and `environment_factory` are refused
+    because the denoiser generates each completion in one piece.
 
     Args:
         model (`str` or `PreTrainedModel` or `PeftModel`):
