@@ -699,7 +699,7 @@ class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
     # ------------------------------------------------------------------ shared helpers of the objectives
 
     @torch.no_grad()
-    def old_and_reference_scores(self, inputs: dict, mode: str, score, name: str) -> dict:
+    def old_and_reference_scores(self, inputs: dict, mode: str, score, name: str, per_iteration: bool = True) -> dict:
         """What the objective needs from the old policy (only when rollouts are reused) and the reference policy
         (only when `beta != 0`), for every inner iteration, in chunks of the training micro-batch size.
 
@@ -712,6 +712,9 @@ class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
                 The per-row scores of one chunk of rows (a dict of the batch's row-aligned tensors) under one model.
             name (`str`):
                 The scores are returned as `old_<name>` / `ref_<name>`, shape `(batch, num_iterations, ...)`.
+            per_iteration (`bool`, *optional*, defaults to `True`):
+                `False` for scores that do not depend on the inner iteration (no masks drawn: JustGRPO's exact
+                log-probs): each policy scores the rows once, at iteration 0, returned with shape `(batch, ...)`.
         """
         needs = {"old": mode == "train" and self.is_off_policy, "ref": self.beta != 0.0}
         policies = {"old": nullcontext(self.model), "ref": self.reference_model()}
@@ -727,12 +730,10 @@ class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
         for prefix, needed in needs.items():
             if not needed:
                 continue
+            iterations = range(self.num_iterations_for(mode) if per_iteration else 1)
             with policies[prefix] as model:
-                per_iteration = [
-                    torch.cat([score(model, chunk, iteration) for chunk in chunks])
-                    for iteration in range(self.num_iterations_for(mode))
-                ]
-            scored[f"{prefix}_{name}"] = torch.stack(per_iteration, dim=1)
+                scores = [torch.cat([score(model, chunk, iteration) for chunk in chunks]) for iteration in iterations]
+            scored[f"{prefix}_{name}"] = torch.stack(scores, dim=1) if per_iteration else scores[0]
         return scored
 
     def completion_weights(self, inputs: dict) -> torch.Tensor:

@@ -1,0 +1,330 @@
+"""JustGRPO's oracles, through the code paths training uses, on a tiny LLaDA whose predictions depend on context
+(sharpened, and bent towards EOS so that some completions end early and leave an EOS fill):
+
+- the exact likelihood equals the left-to-right log-likelihood computed one position at a time (a model call per
+  position, each row alone, the canvas masked from t on), on a left-padded batch of unequal prompts;
+- the gradient of the piecewise training step equals the gradient of GRPO's loss written out on that one-at-a-time
+  reference, on-policy and off-policy (stored old and reference log-probs, clipping, the k3 KL, two of TRL's
+  aggregations);
+- the greedy rollout equals left-to-right greedy decoding done by hand;
+- the refused sampler settings, the inert prefix cache, and activation memory that does not grow with the passes.
+"""
+
+import math
+
+import pytest
+import torch
+
+from trl_diffusion import JustGRPOConfig, JustGRPOTrainer
+from trl_diffusion.generation import DiffusionGenerationConfig, generate
+from trl_diffusion.models import DiffusionAdapter
+from trl_diffusion.utils.memory import SavedTensorsMeter
+
+from helpers import (
+    CHAT_PROMPTS,
+    assert_same_gradients,
+    eos_leaning_checkpoint,
+    gradients,
+    perturb,
+    sharpened,
+    tiny_grpo_config,
+    tiny_trainer,
+)
+
+LENGTH = 8  # helpers.TINY_ROLLOUTS' canvas
+
+
+@pytest.fixture(scope="module")
+def sharp_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """The tiny LLaDA sharpened (its predictions depend on position and context) and bent towards EOS: at temperature
+    1 some completions end after one to a few tokens, others run the whole canvas."""
+    directory = tmp_path_factory.mktemp("sharp-eos-llada")
+    return eos_leaning_checkpoint(sharpened(tiny_llada), tiny_tokenizer, directory, eos_weight=10.0)
+
+
+@pytest.fixture(scope="module")
+def greedy_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """The same, bent further (weight 18): its greedy decodings of `CHAT_PROMPTS` mix EOS and other tokens depending
+    on the prefix (one row starts with EOS, one ends at position 5, one never does)."""
+    directory = tmp_path_factory.mktemp("greedy-eos-llada")
+    return eos_leaning_checkpoint(sharpened(tiny_llada), tiny_tokenizer, directory, eos_weight=18.0)
+
+
+def make_trainer(model_dir, output_dir, **settings):
+    defaults = dict(block_length=1, diffusion_steps=None, beta=0.0, just_grpo_positions_per_forward=3)
+    return tiny_trainer(
+        JustGRPOTrainer, model_dir, tiny_grpo_config(JustGRPOConfig, output_dir, **defaults | settings)
+    )
+
+
+def chat_rollouts(trainer, inner_iteration: int = 0) -> dict:
+    """A rollout batch of the first two `CHAT_PROMPTS` (6 and 16 tokens, so the first is left-padded),
+    `num_generations` completions each, built as training builds it; fixed mixed-sign advantages."""
+    trainer.model.train()
+    rows = [
+        {"prompt": [{"role": "user", "content": prompt}]}
+        for prompt in CHAT_PROMPTS[:2]
+        for _ in range(trainer.num_generations)
+    ]
+    batch = {**trainer._generate_and_score_completions(rows), "inner_iteration": inner_iteration}
+    batch["advantages"] = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.7, -1.3, 2.0, -0.1])
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
+    return batch
+
+
+def assert_mixed_batch(batch, eos_token_id):
+    """Unequal prompts (left padding) and completions of unequal length, some ending early with an EOS fill."""
+    prompt_lengths = batch["prompt_mask"].sum(dim=1)
+    answer_lengths = batch["completion_mask"].sum(dim=1)
+    assert len(set(prompt_lengths.tolist())) > 1
+    assert (answer_lengths < LENGTH).any() and (answer_lengths == LENGTH).any()
+    for canvas, length in zip(batch["completion_canvas"], answer_lengths.tolist()):
+        assert (canvas[length - 1 :] == eos_token_id).all() or length == LENGTH  # the EOS fill after the answer
+
+
+def one_at_a_time_logps(model, mask_token_id, batch, temperature=1.0):
+    """The oracle: each row alone (its prompt without the padding), one model call per completion position t on
+    `[prompt, y_<t, mask...]`, and `log softmax(z_t / T)` over the vocabulary without the mask token (the sampler
+    never proposes it) at `y_t`. Shape `(B, L)`, with gradients if they are enabled."""
+    rows = []
+    for prompt_ids, prompt_mask, canvas in zip(batch["prompt_ids"], batch["prompt_mask"], batch["completion_canvas"]):
+        prompt = prompt_ids[prompt_mask.bool()]
+        row = []
+        for t in range(LENGTH):
+            masked_from_t = torch.cat([canvas[:t], canvas.new_full((LENGTH - t,), mask_token_id)])
+            logits = model(input_ids=torch.cat([prompt, masked_from_t])[None]).logits[0, len(prompt) + t]
+            logits = (logits.float() / temperature).masked_fill(torch.arange(len(logits)) == mask_token_id, -math.inf)
+            row.append(logits.log_softmax(dim=-1)[canvas[t]])
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+# ---------------------------------------------------------------------------------------------------- likelihood
+
+
+@pytest.mark.parametrize("positions_per_forward", [1, 3, 8])
+def test_likelihood_equals_the_left_to_right_log_likelihood_one_position_at_a_time(
+    positions_per_forward, sharp_eos_dir, tmp_path
+):
+    trainer = make_trainer(
+        sharp_eos_dir, tmp_path, temperature=0.7, just_grpo_positions_per_forward=positions_per_forward
+    )
+    batch = chat_rollouts(trainer)
+    assert_mixed_batch(batch, trainer.processing_class.eos_token_id)
+    num_scored = batch["completion_ids"].shape[1]
+    width = trainer.scored_width(num_scored)
+    assert width == num_scored == LENGTH
+    with torch.no_grad():
+        logps, entropies = trainer.all_autoregressive_logps(trainer.model, batch, width, num_scored)
+        expected = one_at_a_time_logps(trainer.model, trainer.adapter.mask_token_id, batch, temperature=0.7)
+    print(f"\nexact log-likelihood per completion: {(expected * batch['completion_mask']).sum(dim=1).tolist()}")
+    torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
+    assert (entropies > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- gradient
+
+
+def counting_forwards(model) -> list:
+    """Counts the model's forward calls (appends one entry per call) until the returned list is dropped."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    calls.append(handle)
+    return calls
+
+
+def piecewise_step(trainer, batch):
+    """`JustGRPOTrainer.training_step` on a fixed batch (no rollout buffering): the loss, the gradients and the number
+    of model calls."""
+    trainer._prepare_inputs = lambda inputs: batch
+    calls = counting_forwards(trainer.model)
+    loss = trainer.training_step(trainer.model, batch)
+    calls.pop(0).remove()
+    return loss, gradients(trainer.model, clear=True), len(calls)
+
+
+def test_on_policy_gradient_equals_the_one_at_a_time_reference(sharp_eos_dir, tmp_path):
+    """TRL's default-here `dr_grpo` on-policy: loss `sum_{i,t} -A_i exp(lp - sg(lp)) m_it / (B L)`, gradient
+    `-sum A_i m_it grad lp_it / (B L)`, with `lp` the one-at-a-time reference (8 passes for 8 positions)."""
+    trainer = make_trainer(sharp_eos_dir, tmp_path)
+    batch = chat_rollouts(trainer)
+    assert_mixed_batch(batch, trainer.processing_class.eos_token_id)
+    loss, grads, num_calls = piecewise_step(trainer, batch)
+    # One sweep without gradients and one with, ceil(8 / 3) = 3 passes each.
+    assert num_calls == 2 * 3
+
+    model = trainer.model
+    logps = one_at_a_time_logps(model, trainer.adapter.mask_token_id, batch)
+    mask = batch["completion_mask"]
+    ratio = torch.exp(logps - logps.detach())
+    expected = (-batch["advantages"][:, None] * ratio * mask).sum() / (mask.shape[0] * LENGTH)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_gradients(grads, gradients(model, clear=True), rtol=1e-4, atol=1e-5, label="on-policy dr_grpo")
+
+
+def bnpo_token_loss(logps, old, ref, advantages, mask, epsilon, beta):
+    """TRL's token-level clipped loss with the bias-corrected k3 KL, `bnpo` aggregation (written out, not TRL's
+    code)."""
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
+    per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+    # TRL's default `use_bias_correction_kl=True`: the k3 KL times the importance ratio.
+    per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
+    return (per_token * mask).sum() / mask.sum(), (ratio - clipped).abs().gt(0).float().mul(mask).sum()
+
+
+def grpo_sequence_loss(logps, old, ref, advantages, mask, epsilon, beta):
+    """`grpo` aggregation with a sequence-level ratio `exp(mean_t (lp - old))` (GSPO's, TRL's
+    `importance_sampling_level="sequence"`), and the bias-corrected k3 KL."""
+    log_ratio = ((logps - old) * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
+    per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
+    per_token = per_token + beta * (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
+    return ((per_token * mask).sum(dim=1) / mask.sum(dim=1)).mean(), (ratio - clipped).abs().gt(0).float().sum()
+
+
+OFF_POLICY_CASES = {
+    "bnpo-token": (dict(loss_type="bnpo"), bnpo_token_loss),
+    "grpo-sequence": (dict(loss_type="grpo", importance_sampling_level="sequence"), grpo_sequence_loss),
+}
+
+
+@pytest.mark.parametrize("case", list(OFF_POLICY_CASES))
+def test_off_policy_gradient_equals_the_one_at_a_time_reference(case, sharp_eos_dir, tmp_path):
+    """mu = 2, beta > 0 with a reference model: the old and reference log-probs are stored once at generation time
+    (the one-at-a-time values under the generating and the reference model, shape `(B, W)`); after the policy
+    moves, the second inner iteration's loss and gradient (ratios outside the clip range, the k3 KL) equal those of
+    TRL's loss written out on the one-at-a-time reference."""
+    settings, reference_loss = OFF_POLICY_CASES[case]
+    epsilon, beta = 0.05, 0.04
+    trainer = make_trainer(sharp_eos_dir, tmp_path, num_iterations=2, epsilon=epsilon, beta=beta, **settings)
+    assert trainer.is_off_policy and trainer.ref_model is not None
+    batch = chat_rollouts(trainer, inner_iteration=1)
+    mask_token_id = trainer.adapter.mask_token_id
+    with torch.no_grad():
+        old = one_at_a_time_logps(trainer.model, mask_token_id, batch)
+        ref = one_at_a_time_logps(trainer.ref_model, mask_token_id, batch)
+    for key, expected in (("old_autoregressive_logps", old), ("ref_autoregressive_logps", ref)):
+        assert batch[key].shape == (8, LENGTH)  # one set for every inner iteration
+        torch.testing.assert_close(batch[key], expected, rtol=1e-5, atol=1e-5)
+
+    perturb(trainer.model, std=0.02, seed=1)
+    loss, grads, _ = piecewise_step(trainer, batch)
+
+    model = trainer.model
+    logps = one_at_a_time_logps(model, mask_token_id, batch)
+    expected, num_clipped = reference_loss(
+        logps, old, ref, batch["advantages"], batch["completion_mask"], epsilon, beta
+    )
+    print(f"\n[{case}] loss {loss.item():.6f}, reference {expected.item():.6f}, clipped ratios {num_clipped.item()}")
+    assert num_clipped > 0  # the clip binds somewhere
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_gradients(grads, gradients(model, clear=True), rtol=1e-4, atol=1e-5, label=case)
+
+
+def test_activation_memory_is_that_of_one_pass(sharp_eos_dir, tmp_path):
+    """Piecewise: the peak bytes saved for backward are those of one pass of 2 positions, however many passes the
+    canvas takes (4 here); the same loss kept in one graph (`_compute_loss` with gradients) holds all of them."""
+    trainer = make_trainer(sharp_eos_dir, tmp_path, just_grpo_positions_per_forward=2)
+    batch = chat_rollouts(trainer)
+    trainer._prepare_inputs = lambda inputs: batch
+    with SavedTensorsMeter() as piecewise:
+        trainer.training_step(trainer.model, batch)
+    assert piecewise.live_bytes == 0
+    trainer.model.zero_grad(set_to_none=True)
+    with SavedTensorsMeter() as one_graph:
+        trainer._compute_loss(trainer.model, batch).backward()
+    trainer.model.zero_grad(set_to_none=True)
+    print(f"\npeak bytes saved for backward: piecewise {piecewise.peak_bytes}, one graph {one_graph.peak_bytes}")
+    assert one_graph.peak_bytes >= 3.5 * piecewise.peak_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- rollouts
+
+
+def greedy_by_hand(model, adapter, prompt, early_stop):
+    """Left-to-right greedy decoding of one prompt: position t gets the argmax (the mask token excluded) of the
+    model's prediction on `[prompt, y_<t, mask...]`; with `early_stop`, the positions after the first terminator get
+    EOS."""
+    completion = []
+    for t in range(LENGTH):
+        masked = [adapter.mask_token_id] * (LENGTH - t)
+        logits = model(input_ids=torch.tensor([prompt + completion + masked])).logits[0, len(prompt) + t]
+        logits[adapter.mask_token_id] = -math.inf
+        completion.append(int(logits.argmax()))
+        if early_stop and completion[-1] in adapter.terminator_ids:
+            return completion + [adapter.terminator_ids[0]] * (LENGTH - t - 1)
+    return completion
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+@torch.no_grad()
+def test_greedy_rollout_equals_left_to_right_decoding_by_hand(early_stop, greedy_eos_dir, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(greedy_eos_dir, tmp_path, temperature=0.0, early_stop=early_stop)
+    prompts = [
+        tiny_tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for text in CHAT_PROMPTS
+    ]
+    trainer.model.eval()
+    rollout, _ = trainer.generate_rollout(prompts)
+    expected = [greedy_by_hand(trainer.model, trainer.adapter, prompt, early_stop) for prompt in prompts]
+    print(f"\ngreedy completions: {expected}")
+    assert rollout.completion_ids.tolist() == expected
+    terminators = torch.tensor(trainer.adapter.terminator_ids)
+    assert torch.isin(rollout.completion_ids[:, :-1], terminators).any()  # some row ends early
+    # One position per step, left to right; an early stop commits the EOS fill at the step of the terminator.
+    for row, steps in zip(rollout.completion_ids, rollout.commit_step):
+        is_terminator = torch.isin(row, terminators)
+        stop = int(is_terminator.nonzero()[0]) if early_stop and is_terminator.any() else LENGTH - 1
+        assert steps.tolist() == list(range(stop)) + [stop] * (LENGTH - stop)
+
+
+def test_the_prefix_cache_is_never_read_with_one_position_per_block(tiny_llada, tiny_tokenizer, chat_prompts):
+    """Why `generation_cache` is refused: with `block_length=1` every step enters a new block and runs the whole
+    sequence, so a cached pass never happens (a cached pass raising here changes nothing) and the tokens and the
+    forward count are those of the uncached sampler."""
+    adapter = DiffusionAdapter.from_model(tiny_llada, tiny_tokenizer)
+    model = sharpened(tiny_llada)
+    outputs = {}
+    for cache in ("none", "prefix"):
+        config = DiffusionGenerationConfig(max_completion_length=LENGTH, block_length=1, generation_cache=cache)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DiffusionAdapter, "cached_logits", lambda *args, **kwargs: pytest.fail("cache read"))
+            outputs[cache] = generate(model, **chat_prompts, generation_config=config, adapter=adapter)
+    assert torch.equal(outputs["none"].completion_ids, outputs["prefix"].completion_ids)
+    assert outputs["none"].num_forward_passes == outputs["prefix"].num_forward_passes == LENGTH
+
+
+# ---------------------------------------------------------------------------------------------------- config
+
+
+def test_the_sampler_decodes_left_to_right(tmp_path):
+    config = JustGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=16)
+    sampler = config.to_generation_config()
+    assert (sampler.block_length, sampler.num_steps, sampler.steps_per_block) == (1, 16, 1)
+    assert config.early_stop and config.loss_type == "dr_grpo"
+
+
+REFUSED = [
+    (dict(block_length=4), "block_length"),
+    (dict(diffusion_steps=8), "diffusion_steps"),
+    (dict(threshold=0.9), "threshold"),
+    (dict(remasking="random"), "remasking"),
+    (dict(schedule="cosine"), "schedule"),
+    (dict(defer_terminators=True), "defer_terminators"),
+    (dict(cfg_scale=1.0), "cfg_scale"),
+    (dict(generation_cache="prefix"), "generation_cache"),
+    (dict(entropy_coef=0.01), "entropy_coef"),
+    (dict(just_grpo_positions_per_forward=0), "just_grpo_positions_per_forward"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "match"), REFUSED, ids=[match for _, match in REFUSED])
+def test_settings_that_break_or_do_nothing_to_left_to_right_decoding_are_refused(overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        JustGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8, **overrides)

@@ -1,0 +1,103 @@
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from .base_config import DiffusionRLConfig, _trl_defaults, sampler_field
+
+# Why each sampler setting the left-to-right rollout cannot take is refused (the accepted value is the default).
+_ONE_POSITION_PER_STEP = (
+    "with `block_length=1` every denoising step has one masked position to commit, so this setting changes nothing"
+)
+
+
+@dataclass
+class JustGRPOConfig(DiffusionRLConfig):
+    r"""
+    Configuration of [`JustGRPOTrainer`] (JustGRPO, "The Flexibility Trap"): the rollouts decode left to right, one
+    position per denoising step, and TRL's token-level GRPO loss trains the exact left-to-right log-probabilities.
+    Every field of [`DiffusionRLConfig`] and TRL's `GRPOConfig` applies (every `loss_type`, clipping, `beta` with
+    the k3 KL, `num_iterations`, `importance_sampling_level`, `top_entropy_quantile`, ...), except the sampler
+    settings that would break or do nothing to the left-to-right order and TRL's entropy bonus (see
+    `unsupported_fields`).
+
+    The rollout sampler is forced to autoregressive decoding: `block_length=1` (refused otherwise) and
+    `diffusion_steps=None`, which the sampler resolves to `max_completion_length` (one step per position; the only
+    value it accepts with one position per block). `threshold`, `remasking`, `schedule` and `defer_terminators` are
+    refused because with a single committable position per step they are inert; `cfg_scale` because the rollout
+    would then sample from the guided distribution, not from the policy whose likelihood is trained (the ratio would
+    not be a token ratio); `generation_cache` because with one position per block every step is the first step of
+    its block, which runs the whole sequence and refills the cache, so the cache is written and never read (no
+    faster; an exact left-to-right cache does not exist for a bidirectional model, whose earlier positions attend to
+    the masks after them). `temperature` is the sampling temperature and the likelihood's (its logits are divided by
+    it, as TRL does); `temperature=0` (greedy) scores the model's distribution at temperature 1.
+
+    Defaults that depart from [`DiffusionRLConfig`]: `block_length=1`, `early_stop=True` (in left-to-right order
+    the EOS fill after a terminator changes nothing before it, and TRL's loss does not score it: stopping is exact
+    and saves the rest of the canvas), `loss_type="dr_grpo"` (a constant weight `1 / (B L)` per token, the closest of
+    TRL's losses to the public code's `1 / (L N_valid)`). JustGRPO's recipe also uses `num_generations=16`,
+    `max_completion_length=256`, `temperature=1.0`, `learning_rate=5e-6`, `max_grad_norm=1.0`, `epsilon=0.2`,
+    `beta=0`, full-parameter training, and evaluation with the ordinary parallel sampler
+    (`examples/just_grpo_gsm8k.py`).
+
+    Parameters:
+
+        just_grpo_positions_per_forward (`int`, *optional*, defaults to `8`):
+            Completion positions scored per forward pass: a pass runs this many copies of each row of the
+            micro-batch (`per_device_train_batch_size` x this many sequences), each masked from its own position on.
+            A micro-batch takes `ceil(W / positions_per_forward)` passes with gradients, one backward each (activation
+            memory is that of one pass whatever L), plus as many without gradients; W is the widest answer of the
+            rollout batch (at most L). `1` is the public code's one position per forward and backward.
+    """
+
+    just_grpo_positions_per_forward: int = field(
+        default=8,
+        metadata={
+            "help": "Completion positions scored per forward pass (each row copied this many times, masked from its "
+            "own position on); one backward per pass, so memory does not grow with L."
+        },
+    )
+    block_length: int = sampler_field("block_length", default=1, note="JustGRPO: 1, left to right.")
+    early_stop: bool = sampler_field("early_stop", default=True, note="JustGRPO: on (exact in left-to-right order).")
+    loss_type: str = field(
+        default="dr_grpo",
+        metadata={"help": "TRL's token-level loss aggregation (JustGRPO: dr_grpo, a constant weight per token)."},
+    )
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **DiffusionRLConfig.unsupported_fields,
+        "block_length": ((1,), "the rollouts decode left to right, one position per block"),
+        "diffusion_steps": (
+            (None,),
+            "one step per position: the sampler resolves it to `max_completion_length`, the only value it accepts "
+            "with `block_length=1`",
+        ),
+        "threshold": ((None,), _ONE_POSITION_PER_STEP),
+        "remasking": (("low_confidence",), _ONE_POSITION_PER_STEP),
+        "schedule": (("linear",), _ONE_POSITION_PER_STEP),
+        "defer_terminators": ((False,), _ONE_POSITION_PER_STEP),
+        "cfg_scale": (
+            (0.0,),
+            "guided rollouts are sampled from another distribution than the policy whose exact likelihood is "
+            "trained, and the ratio would not be a token ratio",
+        ),
+        "generation_cache": (
+            ("none",),
+            "with one position per block every step is the first of its block and runs the whole sequence, so the "
+            "cache is written and never read",
+        ),
+        **_trl_defaults(
+            {
+                "entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta "
+                "entropy_target": "the exact log-probs' entropies are computed without gradients, so TRL's entropy "
+                "bonus would not reach the gradient",
+                "router_aux_loss_coef": "the left-to-right passes compute no Mixture-of-Experts router loss",
+            }
+        ),
+    }
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.just_grpo_positions_per_forward < 1:
+            raise ValueError(
+                "`just_grpo_positions_per_forward` (completion positions per forward pass) must be at least 1, got "
+                f"{self.just_grpo_positions_per_forward}."
+            )

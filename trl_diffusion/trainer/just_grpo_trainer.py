@@ -1,0 +1,192 @@
+import textwrap
+from collections.abc import Iterator
+
+import torch
+
+from ..likelihood import autoregressive_logprobs
+from .base_trainer import DiffusionRLTrainer
+from .just_grpo_config import JustGRPOConfig
+
+
+class JustGRPOTrainer(DiffusionRLTrainer):
+    r"""JustGRPO ("The Flexibility Trap"): plain GRPO on a diffusion model run autoregressively during RL.
+
+    Rollouts decode left to right, one position per denoising step (`block_length=1`, `diffusion_steps = L`:
+    [`JustGRPOConfig`] forces both), so that position t is sampled from `p(y_t | x, y_<t, positions t..L-1
+    masked)`. That distribution is computed exactly for every completion token,
+    `log pi(y_t | y_<t) = log softmax(z_t / T)[y_t]` over the vocabulary without the mask token, on a copy of the
+    canvas with position t and everything after it masked (one forward pass per position: the hidden states of the
+    masked positions depend on how much of the prefix is revealed, so no single pass gives them all). The positions
+    are scored `just_grpo_positions_per_forward` at a time, each pass running that many copies of every row. The
+    ratio `pi_theta(y_t | y_<t) / pi_old(y_t | y_<t)` is then a true token ratio and TRL's token-level GRPO loss
+    (every `loss_type`, clipping, the k3 KL, entropy masking, its metrics) applies unchanged.
+
+    Memory. Keeping the graphs of all ceil(L / positions_per_forward) passes for one backward would make activation
+    memory grow with L (each pass holds a whole canvas per copy), so the loss is back-propagated pass by pass
+    (`backward_in_pieces`) and still reuses TRL's loss exactly: TRL's loss is a function of the per-token log-probs
+    only, `loss = F(logp)`, so `grad loss = sum_t (dF/dlogp_t) grad logp_t`. A first sweep without gradients computes
+    every `logp_t`; TRL's `_compute_loss` runs once on them as a leaf tensor (value, metrics) and autograd gives the
+    weights `g = dF/dlogp`; then each pass is recomputed with gradients and back-propagates `sum_t g_t logp_t` over
+    its positions. The gradients add up to that of `F` exactly (the weights are those at the current log-probs),
+    for one extra forward per position without gradients; activation memory is that of one pass. (With dropout
+    the two sweeps would see different dropout masks: LLaDA and Dream have none; `disable_dropout=True` makes sure.)
+
+    What it changes w.r.t. [`DiffusionRLTrainer`]: `_score_rollouts` stores the old (only when rollouts are reused)
+    and reference (only when `beta != 0`) exact log-probs once per rollout batch, `old_autoregressive_logps` /
+    `ref_autoregressive_logps` `(B, W)`, one set for every inner iteration (nothing is random in them);
+    `loss_pieces` is the objective above; `_completion_logps` hands TRL's loss the precomputed log-probs. Only the
+    first W positions are scored, W the widest answer of the rollout batch (TRL's completion width, the same on
+    every process), so the EOS fill after an early stop costs no pass. Evaluation afterwards uses the ordinary
+    parallel sampler (the paper keeps it; `TaskEvaluationCallback` and `trl-diffusion eval` take their own
+    generation config).
+
+    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`JustGRPOConfig`].
+
+    Example:
+
+    ```python
+    from trl_diffusion import JustGRPOConfig, JustGRPOTrainer
+
+    trainer = JustGRPOTrainer(
+        model="GSAI-ML/LLaDA-8B-Instruct",
+        reward_funcs=my_reward,
+        args=JustGRPOConfig(
+            output_dir="llada-just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6
+        ),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    ```
+    """
+
+    config_class = JustGRPOConfig
+    backward_in_pieces = True
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "just-grpo"]
+    _name = "JustGRPO"
+    _paper = {
+        "title": "The Flexibility Trap: Why Arbitrary Order Limits Reasoning Potential in Diffusion Language Models",
+        "id": "2601.15165",
+        "citation": textwrap.dedent("""\
+            @article{ni2026flexibility,
+                title        = {{The Flexibility Trap: Why Arbitrary Order Limits Reasoning Potential in Diffusion Language Models}},
+                author       = {Zanlin Ni and Shenzhi Wang and Yang Yue and Tianyu Yu and Weilin Zhao and Yeguo Hua and Tianyi Chen and Jun Song and Cheng Yu and Bo Zheng and Gao Huang},
+                year         = 2026,
+                eprint       = {arXiv:2601.15165},
+            }"""),
+    }
+
+    # ------------------------------------------------------------------ the exact left-to-right log-probs
+
+    def scored_width(self, num_scored: int) -> int:
+        """W: how many canvas positions are scored, `min(TRL's completion width, L)`, the largest over the processes
+        (every process then runs the same passes, as ZeRO-3 and FSDP need)."""
+        width = torch.tensor([min(num_scored, self.args.max_completion_length)], device=self.accelerator.device)
+        return int(self.accelerator.gather(width).max())
+
+    def position_chunks(self, width: int) -> list[range]:
+        """The positions `0..width-1` in passes of `just_grpo_positions_per_forward`."""
+        size = self.args.just_grpo_positions_per_forward
+        return [range(start, min(start + size, width)) for start in range(0, width, size)]
+
+    def autoregressive_logps(self, model, inputs: dict, positions: range, return_entropy: bool = False):
+        """`log pi(y_t | x, y_<t, t.. masked)` of the rows of `inputs` at `positions`, shape `(batch, len(positions))`
+        (one forward pass; with gradients if they are enabled)."""
+        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        temperature = self.args.temperature if self.args.temperature > 0 else 1.0
+        with self.accelerator.autocast():
+            return autoregressive_logprobs(
+                model,
+                self.adapter,
+                prompt_ids,
+                prompt_mask,
+                canvas,
+                positions,
+                temperature=temperature,
+                return_entropy=return_entropy,
+            )
+
+    def all_autoregressive_logps(self, model, inputs: dict, width: int, num_scored: int):
+        """The log-probs and entropies of positions `0..width-1`, one pass per chunk, laid out as TRL's completions
+        (`num_scored` columns: cut at `num_scored`, or padded with 0 past the canvas), shape `(batch, num_scored)`."""
+        pieces = [
+            self.autoregressive_logps(model, inputs, chunk, return_entropy=True)
+            for chunk in self.position_chunks(width)
+        ]
+        results = []
+        for values in zip(*pieces):
+            values = torch.cat(values, dim=1)[:, :num_scored]
+            results.append(torch.nn.functional.pad(values, (0, num_scored - values.shape[1])))
+        return results[0], results[1]
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        if not (mode == "train" and self.is_off_policy) and self.beta == 0.0:
+            return {}
+        num_scored = inputs["completion_ids"].shape[1]
+        width = self.scored_width(num_scored)
+
+        def score(model, chunk, iteration):
+            return self.all_autoregressive_logps(model, chunk, width, num_scored)[0]
+
+        return self.old_and_reference_scores(inputs, mode, score, "autoregressive_logps", per_iteration=False)
+
+    # ------------------------------------------------------------------ TRL's loss on them
+
+    def _completion_logps(self, model, inputs: dict, logits_to_keep: int, compute_entropy: bool = False):
+        return inputs["autoregressive_logps"], inputs["autoregressive_entropies"] if compute_entropy else None, None
+
+    def trl_loss(self, model, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
+        """TRL's `_compute_loss` (value and metrics) on the given per-token log-probs, stored old and reference
+        log-probs under TRL's keys."""
+        inputs = {**inputs, "autoregressive_logps": logps, "autoregressive_entropies": entropies}
+        for stored, trl_key in (
+            ("old_autoregressive_logps", "old_per_token_logps"),
+            ("ref_autoregressive_logps", "ref_per_token_logps"),
+        ):
+            if stored in inputs:
+                inputs[trl_key] = inputs[stored]
+        with self.trl_loss_batch(inputs):
+            return super()._compute_loss(model, inputs)
+
+    def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
+        """One piece per pass of `just_grpo_positions_per_forward` positions (see the class docstring)."""
+        num_scored = inputs["completion_ids"].shape[1]
+        width = self.scored_width(num_scored)
+        chunks = self.position_chunks(width)
+        return len(chunks), self._chunk_losses(model, inputs, chunks, width, num_scored, mode)
+
+    def _chunk_losses(self, model, inputs, chunks, width, num_scored, mode) -> Iterator[torch.Tensor]:
+        with torch.no_grad():
+            logps, entropies = self.all_autoregressive_logps(model, inputs, width, num_scored)
+        logps.requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.trl_loss(model, inputs, logps, entropies)
+            (weights,) = torch.autograd.grad(loss, logps, allow_unused=True)
+        # The weight of each scored position, over the passes' positions (0 for those TRL's completions cut off).
+        weights = torch.zeros_like(logps) if weights is None else weights
+        columns = min(width, num_scored)
+        weights = torch.nn.functional.pad(weights[:, :columns], (0, width - columns))
+        self._log_likelihood_metrics(mode, logps.detach(), inputs["completion_mask"])
+        share = loss.detach() / len(chunks)
+        for chunk in chunks:
+            chunk_logps = self.autoregressive_logps(model, inputs, chunk)
+            surrogate = (weights[:, chunk.start : chunk.stop] * chunk_logps).sum()
+            # Gradient: this pass's share of TRL's loss; value: an equal share of it (the pieces sum to the loss).
+            yield surrogate - surrogate.detach() + share
+
+    def _log_likelihood_metrics(self, mode: str, logps: torch.Tensor, completion_mask: torch.Tensor) -> None:
+        """`log_likelihood/mean`: the exact log-likelihood of the answers (sum over TRL's completion mask), averaged
+        over the completions of every process."""
+        sequence = (logps * completion_mask).sum(dim=1)
+        self._metrics[mode]["log_likelihood/mean"].append(self.accelerator.gather(sequence).mean().item())
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss on the exact log-probs. Training goes through `training_step`, which back-propagates each pass
+        on its own; with gradients enabled here (outside it) every pass stays in one graph."""
+        mode = "train" if self.model.training else "eval"
+        if torch.is_grad_enabled():
+            return sum(self.loss_pieces(model, inputs, mode)[1])
+        num_scored = inputs["completion_ids"].shape[1]
+        width = self.scored_width(num_scored)
+        logps, entropies = self.all_autoregressive_logps(model, inputs, width, num_scored)
+        self._log_likelihood_metrics(mode, logps, inputs["completion_mask"])
+        return self.trl_loss(model, inputs, logps, entropies)
