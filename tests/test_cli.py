@@ -161,7 +161,11 @@ def test_help_lists_every_field(command, capsys):
     if command != "sft":
         assert titles[2] == "diffusion sampler and rollouts (DiffusionRLConfig):"
         sampler = help_text[help_text.index(titles[2]) : help_text.index(titles[3])]
-        assert all(f"--{name} " in sampler for name in ("max_completion_length", "block_length", "diffusion_steps"))
+        # (JustGRPO fixes `block_length` and `diffusion_steps`: one position per step, left to right.)
+        sampler_flags = [
+            name for name in ("max_completion_length", "block_length", "diffusion_steps") if name not in refused
+        ]
+        assert "max_completion_length" in sampler_flags and all(f"--{name} " in sampler for name in sampler_flags)
 
 
 def test_refused_fields_are_rejected_by_the_command_line(capsys):
@@ -225,9 +229,10 @@ def test_training_flags_are_fields_the_command_reads(command):
     config_flags = {f.name for f in dataclasses.fields(config_class) if f.init} - set(config_class.unsupported_fields)
     assert flags == script_flags | config_flags | {f.name for f in dataclasses.fields(ModelConfig)}
     assert "ignore_bias_buffers" not in flags  # TRL's DPO switch, read by no command
-    if command in ("diffu_grpo", "lfpo", "coupled_grpo"):  # no sequence ELBO: no Monte Carlo estimator
+    if command in ("diffu_grpo", "lfpo", "coupled_grpo", "just_grpo"):  # no sequence ELBO: no Monte Carlo estimator
         assert not ESTIMATOR_FIELDS & flags
-    if command in ("diffu_grpo", "coupled_grpo"):  # token scores over the whole canvas: no completion region
+    # Token scores over the whole canvas (JustGRPO: exact ones, on TRL's completion mask): no completion region.
+    if command in ("diffu_grpo", "coupled_grpo", "just_grpo"):
         assert "elbo_region" not in flags
 
     script_source = _sources("trl_diffusion.scripts.train", "trl_diffusion.tasks.loading", "trl_diffusion.cli")

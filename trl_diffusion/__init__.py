@@ -33,6 +33,7 @@ _import_structure = {
     "evaluation": ["TaskEvaluationCallback", "evaluate_task"],
     "generation": ["DiffusionGenerationConfig", "DiffusionGenerationOutput", "cut_at_terminator", "generate"],
     "likelihood": [
+        "autoregressive_logprobs",
         "coupled_token_scores",
         "elbo_term",
         "elbo_terms",
@@ -64,6 +65,8 @@ _import_structure = {
         "DiffusionSFTTrainer",
         "ESPOConfig",
         "ESPOTrainer",
+        "JustGRPOConfig",
+        "JustGRPOTrainer",
         "LFPOConfig",
         "LFPOTrainer",
         "VRPOConfig",
@@ -99,6 +102,7 @@ if TYPE_CHECKING:
     from .evaluation import TaskEvaluationCallback, evaluate_task
     from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cut_at_terminator, generate
     from .likelihood import (
+        autoregressive_logprobs,
         coupled_token_scores,
         elbo_term,
         elbo_terms,
@@ -130,6 +134,8 @@ if TYPE_CHECKING:
         DiffusionSFTTrainer,
         ESPOConfig,
         ESPOTrainer,
+        JustGRPOConfig,
+        JustGRPOTrainer,
         LFPOConfig,
         LFPOTrainer,
         VRPOConfig,

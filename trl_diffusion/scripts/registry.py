@@ -40,6 +40,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "wd1_trainer.WD1Trainer",
         "wd1: ratio-free weighted likelihood (softmax(+-psi A) group weights) on mean-field log-probs",
     ),
+    "just_grpo": (
+        "just_grpo_config.JustGRPOConfig",
+        "just_grpo_trainer.JustGRPOTrainer",
+        "JustGRPO: left-to-right rollouts, exact autoregressive log-probs, TRL's token-level GRPO",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

@@ -12,6 +12,8 @@ from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
 from .espo_config import ESPOConfig
 from .espo_trainer import ESPOTrainer
+from .just_grpo_config import JustGRPOConfig
+from .just_grpo_trainer import JustGRPOTrainer
 from .lfpo_config import LFPOConfig, lfpo_inference_config
 from .lfpo_trainer import LFPOTrainer
 from .sequence_elbo_config import SequenceELBOConfig
@@ -34,6 +36,8 @@ __all__ = [
     "DiffusionRLTrainer",
     "ESPOConfig",
     "ESPOTrainer",
+    "JustGRPOConfig",
+    "JustGRPOTrainer",
     "LFPOConfig",
     "LFPOTrainer",
     "SequenceELBOConfig",
