@@ -229,10 +229,12 @@ def test_training_flags_are_fields_the_command_reads(command):
     config_flags = {f.name for f in dataclasses.fields(config_class) if f.init} - set(config_class.unsupported_fields)
     assert flags == script_flags | config_flags | {f.name for f in dataclasses.fields(ModelConfig)}
     assert "ignore_bias_buffers" not in flags  # TRL's DPO switch, read by no command
-    if command in ("diffu_grpo", "lfpo", "coupled_grpo", "just_grpo"):  # no sequence ELBO: no Monte Carlo estimator
+    # No sequence ELBO: no Monte Carlo estimator.
+    if command in ("diffu_grpo", "lfpo", "coupled_grpo", "just_grpo", "wd1"):
         assert not ESTIMATOR_FIELDS & flags
-    # Token scores over the whole canvas (JustGRPO: exact ones, on TRL's completion mask): no completion region.
-    if command in ("diffu_grpo", "coupled_grpo", "just_grpo"):
+    # Token scores over the whole canvas (JustGRPO: exact ones, on TRL's completion mask; wd1: summed over the
+    # answer): no completion region.
+    if command in ("diffu_grpo", "coupled_grpo", "just_grpo", "wd1"):
         assert "elbo_region" not in flags
 
     script_source = _sources("trl_diffusion.scripts.train", "trl_diffusion.tasks.loading", "trl_diffusion.cli")
@@ -524,6 +526,7 @@ EXAMPLES = {
     "espo_sudoku": "espo",
     "lfpo_gsm8k": "lfpo",
     "coupled_grpo_code": "coupled_grpo",
+    "wd1_sudoku": "wd1",
 }
 
 
@@ -568,6 +571,16 @@ def test_coupled_grpo_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
     assert run_recipe("coupled_grpo", module.RECIPE, argv) == 0
     assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_wd1_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """wd1's recipe (LoRA, mu = 8, no KL) on a tiny model, its base in float32 instead of 4-bit."""
+    module = load_example("wd1_sudoku")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--load_in_4bit", "false"]
+    argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
+    assert run_recipe("wd1", module.RECIPE, argv) == 0
+    assert (tmp_path / "adapter_model.safetensors").is_file()
 
 
 def test_config_file_may_spell_out_a_refused_field_at_its_accepted_value(tmp_path):

@@ -20,6 +20,7 @@ from trl_diffusion.trainer import (
     LFPOConfig,
     SequenceELBOConfig,
     VRPOConfig,
+    WD1Config,
 )
 
 from helpers import cli_args, cpu_argv
@@ -108,6 +109,19 @@ SPECS = {
             use_bias_correction_kl=False,
         ),
         values={"coupled_t_range": (0.3, 0.7)},
+    ),
+    # wd1: A = r - mean(r), weights softmax(+-psi A) with psi 1, d1's 15% prompt masking and temperature 0.9; no KL.
+    WD1Config: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"psi", "p_mask_prompt", "scale_rewards", "temperature"}),
+        defaults=dict(
+            psi=1.0,
+            p_mask_prompt=0.15,
+            scale_rewards="none",
+            temperature=0.9,
+            beta=0.0,
+            loss_type=GRPO_DEFAULTS["loss_type"],
+        ),
     ),
     VRPOConfig: Spec(
         parent=SequenceELBOConfig,
@@ -223,6 +237,8 @@ CLI_VALUES = {
     "ema_alpha_rate": 0.01,
     "ema_alpha_max": 0.3,
     "elbo_region": "answer",
+    # wd1
+    "psi": 0.5,
 }
 # Fields that are another field under a former name: checked through `Spec.extra_parse`, not set with it.
 ALIASES = {"warmup_ratio"}

@@ -28,6 +28,8 @@ from trl_diffusion.trainer import (
     LFPOTrainer,
     VRPOConfig,
     VRPOTrainer,
+    WD1Config,
+    WD1Trainer,
 )
 
 from helpers import (
@@ -48,15 +50,20 @@ TRAINERS = {
     "vrpo": (VRPOConfig, VRPOTrainer),
     "bgpo": (BGPOConfig, BGPOTrainer),
     "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer),
+    "wd1": (WD1Config, WD1Trainer),
 }
+# Trainers whose objective has no KL term (their configs refuse `beta != 0`): every case runs them with beta 0.
+WITHOUT_KL = {"wd1"}
 
 
 def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
     ELBO trainers."""
     settings = dict(beta=0.0)
-    if name not in ("diffu_grpo", "coupled_grpo"):
+    if name not in ("diffu_grpo", "coupled_grpo", "wd1"):
         settings["num_mc_samples"] = 2
+    if name in WITHOUT_KL:
+        overrides = {**overrides, "beta": 0.0}
     return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
 
 
@@ -109,6 +116,7 @@ ROLLOUT_KEYS = {
 TRAINER_KEYS = {
     "diffu_grpo": {"entropy", "clip_ratio/region_mean"},
     "coupled_grpo": {"entropy", "clip_ratio/region_mean"},
+    "wd1": {"likelihood/mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -224,7 +232,8 @@ class StepCounter(TrainerCallback):
 
 
 @pytest.mark.parametrize(
-    ("name", "peft"), [("diffu_grpo", True), ("vrpo", False), ("bgpo", False), ("coupled_grpo", False)]
+    ("name", "peft"),
+    [("diffu_grpo", True), ("vrpo", False), ("bgpo", False), ("coupled_grpo", False), ("wd1", True)],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     args = make_args(name, tmp_path / "run", save_strategy="steps", save_steps=1, max_steps=2)
@@ -260,6 +269,7 @@ def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
 ROUND_CASES = {
     "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer, dict(num_iterations=2)),
     "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer, dict(num_iterations=2)),
+    "wd1": (WD1Config, WD1Trainer, dict(num_iterations=2, steps_per_generation=2)),
     "vrpo": (VRPOConfig, VRPOTrainer, dict(steps_per_generation=2)),
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
     "lfpo": (LFPOConfig, LFPOTrainer, dict(num_iterations=2, lfpo_num_states=2)),
@@ -498,7 +508,7 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
         return [float(i % 2) for i in range(len(completions))]
 
     overrides = dict(early_stop=True, beta=0.04)
-    if name not in ("diffu_grpo", "coupled_grpo"):
+    if name not in ("diffu_grpo", "coupled_grpo", "wd1"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

@@ -17,6 +17,7 @@ from trl_diffusion.trainer import (
     ESPOTrainer,
     LFPOTrainer,
     VRPOTrainer,
+    WD1Trainer,
     base_trainer,
 )
 from trl_diffusion.trainer.base_trainer import TRL_ATTRIBUTES, TRL_CONTRACT, TRLContractMixin, trl_contract_drift
@@ -31,6 +32,7 @@ TRAINER_CLASSES = [
     ESPOTrainer,
     LFPOTrainer,
     CoupledGRPOTrainer,
+    WD1Trainer,
 ]
 
 
