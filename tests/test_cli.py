@@ -527,6 +527,7 @@ EXAMPLES = {
     "lfpo_gsm8k": "lfpo",
     "coupled_grpo_code": "coupled_grpo",
     "wd1_sudoku": "wd1",
+    "just_grpo_gsm8k": "just_grpo",
 }
 
 
@@ -581,6 +582,22 @@ def test_wd1_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("wd1", module.RECIPE, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_just_grpo_example_runs_one_step_with_a_parallel_evaluation(tiny_llada_dir, tmp_path):
+    """JustGRPO's recipe (full fine-tuning, left-to-right rollouts: no --block_length / --diffusion_steps flags) on a
+    tiny model, on Countdown instead of GSM8K (a download), 2 positions per pass; its evaluation decodes with the
+    ordinary parallel sampler (one block of 16 tokens in 8 steps), not the left-to-right one."""
+    module = load_example("just_grpo_gsm8k")
+    fixed = {TINY_TRAINING.index(flag) + shift for flag in ("--block_length", "--diffusion_steps") for shift in (0, 1)}
+    tiny = [arg for index, arg in enumerate(TINY_TRAINING) if index not in fixed]
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += ["--dataset_name", "countdown", *tiny, "--max_steps", "1", "--per_device_train_batch_size", "4"]
+    argv += ["--gradient_accumulation_steps", "1", "--just_grpo_positions_per_forward", "2"]
+    argv += ["--eval_num_examples", "2", "--eval_max_completion_length", "16", "--eval_block_length", "16"]
+    argv += ["--eval_diffusion_steps", "8"]
+    assert run_recipe("just_grpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 def test_config_file_may_spell_out_a_refused_field_at_its_accepted_value(tmp_path):

@@ -17,6 +17,7 @@ from trl_diffusion.trainer import (
     DiffusionRLConfig,
     DiffusionSFTConfig,
     ESPOConfig,
+    JustGRPOConfig,
     LFPOConfig,
     SequenceELBOConfig,
     VRPOConfig,
@@ -122,6 +123,22 @@ SPECS = {
             beta=0.0,
             loss_type=GRPO_DEFAULTS["loss_type"],
         ),
+    ),
+    # JustGRPO: left-to-right rollouts (one position per block, early stop), TRL's dr_grpo, 8 positions per pass.
+    JustGRPOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"just_grpo_positions_per_forward", "block_length", "early_stop", "loss_type"}),
+        defaults=dict(
+            just_grpo_positions_per_forward=8,
+            block_length=1,
+            diffusion_steps=None,
+            early_stop=True,
+            loss_type="dr_grpo",
+            temperature=1.0,
+            epsilon=0.2,
+            beta=0.0,
+        ),
+        values={"just_grpo_positions_per_forward": 4},
     ),
     VRPOConfig: Spec(
         parent=SequenceELBOConfig,

@@ -328,3 +328,25 @@ REFUSED = [
 def test_settings_that_break_or_do_nothing_to_left_to_right_decoding_are_refused(overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         JustGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8, **overrides)
+
+
+ENTROPY_BONUS = {"entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max"}
+ENTROPY_BONUS |= {"entropy_coef_delta", "entropy_target"}
+
+
+def test_every_trl_loss_option_acts_as_in_diffu_grpo_but_the_entropy_bonus(tmp_path):
+    """docs/trainers/index.md: JustGRPO takes TRL's loss options as DiffuGRPO's column says, except the entropy bonus
+    (refused: its entropies carry no gradient); `router_aux_loss_coef` is refused by both."""
+    from test_loss_options import TEST_VALUES, loss_option_table
+
+    left_to_right = dict(block_length=1, diffusion_steps=None)
+    defaults = tiny_grpo_config(JustGRPOConfig, tmp_path, **left_to_right)
+    for name, cells in loss_option_table().items():
+        default = getattr(defaults, name)
+        value = (not default) if isinstance(default, bool) else TEST_VALUES[name]
+        overrides = dict(left_to_right, **{name: value})
+        if cells["DiffuGRPO"].startswith("✓") and name not in ENTROPY_BONUS:
+            assert getattr(tiny_grpo_config(JustGRPOConfig, tmp_path, **overrides), name) == value
+        elif cells["DiffuGRPO"] != "—":
+            with pytest.raises(ValueError, match=f"`{name}="):
+                tiny_grpo_config(JustGRPOConfig, tmp_path, **overrides)

@@ -24,6 +24,8 @@ from trl_diffusion.trainer import (
     DiffuGRPOTrainer,
     ESPOConfig,
     ESPOTrainer,
+    JustGRPOConfig,
+    JustGRPOTrainer,
     LFPOConfig,
     LFPOTrainer,
     VRPOConfig,
@@ -51,7 +53,10 @@ TRAINERS = {
     "bgpo": (BGPOConfig, BGPOTrainer),
     "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer),
     "wd1": (WD1Config, WD1Trainer),
+    "just_grpo": (JustGRPOConfig, JustGRPOTrainer),
 }
+# JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
+LEFT_TO_RIGHT = dict(block_length=1, diffusion_steps=None)
 # Trainers whose objective has no KL term (their configs refuse `beta != 0`): every case runs them with beta 0.
 WITHOUT_KL = {"wd1"}
 
@@ -60,8 +65,10 @@ def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
     ELBO trainers."""
     settings = dict(beta=0.0)
-    if name not in ("diffu_grpo", "coupled_grpo", "wd1"):
+    if name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         settings["num_mc_samples"] = 2
+    if name == "just_grpo":
+        settings.update(LEFT_TO_RIGHT)
     if name in WITHOUT_KL:
         overrides = {**overrides, "beta": 0.0}
     return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
@@ -117,6 +124,7 @@ TRAINER_KEYS = {
     "diffu_grpo": {"entropy", "clip_ratio/region_mean"},
     "coupled_grpo": {"entropy", "clip_ratio/region_mean"},
     "wd1": {"likelihood/mean"},
+    "just_grpo": {"entropy", "clip_ratio/region_mean", "log_likelihood/mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -233,7 +241,14 @@ class StepCounter(TrainerCallback):
 
 @pytest.mark.parametrize(
     ("name", "peft"),
-    [("diffu_grpo", True), ("vrpo", False), ("bgpo", False), ("coupled_grpo", False), ("wd1", True)],
+    [
+        ("diffu_grpo", True),
+        ("vrpo", False),
+        ("bgpo", False),
+        ("coupled_grpo", False),
+        ("wd1", True),
+        ("just_grpo", False),
+    ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     args = make_args(name, tmp_path / "run", save_strategy="steps", save_steps=1, max_steps=2)
@@ -270,6 +285,7 @@ ROUND_CASES = {
     "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer, dict(num_iterations=2)),
     "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer, dict(num_iterations=2)),
     "wd1": (WD1Config, WD1Trainer, dict(num_iterations=2, steps_per_generation=2)),
+    "just_grpo": (JustGRPOConfig, JustGRPOTrainer, dict(num_iterations=2, **LEFT_TO_RIGHT)),
     "vrpo": (VRPOConfig, VRPOTrainer, dict(steps_per_generation=2)),
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
     "lfpo": (LFPOConfig, LFPOTrainer, dict(num_iterations=2, lfpo_num_states=2)),
@@ -508,7 +524,7 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
         return [float(i % 2) for i in range(len(completions))]
 
     overrides = dict(early_stop=True, beta=0.04)
-    if name not in ("diffu_grpo", "coupled_grpo", "wd1"):
+    if name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

@@ -15,6 +15,7 @@ from trl_diffusion.trainer import (
     DiffuGRPOTrainer,
     DiffusionRLTrainer,
     ESPOTrainer,
+    JustGRPOTrainer,
     LFPOTrainer,
     VRPOTrainer,
     WD1Trainer,
@@ -33,6 +34,7 @@ TRAINER_CLASSES = [
     LFPOTrainer,
     CoupledGRPOTrainer,
     WD1Trainer,
+    JustGRPOTrainer,
 ]
 
 
