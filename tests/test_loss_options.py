@@ -22,6 +22,7 @@ from trl_diffusion.trainer import (
     LFPOTrainer,
     VRPOConfig,
     VRPOTrainer,
+    WD1Config,
 )
 
 from helpers import gradients, rollout_batch, select_rows, tiny_grpo_config, tiny_trainer
@@ -33,6 +34,7 @@ COLUMNS = {
     "BGPO": BGPOConfig,
     "ESPO": ESPOConfig,
     "LFPO": LFPOConfig,
+    "wd1": WD1Config,
 }
 # A value other than TRL's default for each field of the table (booleans are flipped from the config's default).
 TEST_VALUES = {
