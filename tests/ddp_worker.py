@@ -1,5 +1,5 @@
-"""One BGPO (or wd1) optimiser step on a tiny LLaDA, for the data-parallel checks of `tests/test_bgpo.py` (and
-`tests/test_wd1.py`, with `--trainer wd1`).
+"""One BGPO (or wd1, or JustGRPO) optimiser step on a tiny LLaDA, for the data-parallel checks of
+`tests/test_bgpo.py` (and `tests/test_wd1.py`, `tests/test_just_grpo.py`, with `--trainer wd1` / `just_grpo`).
 
 Run under torchrun, each rank saves `rank{r}.pt` (its parameters before and after the step, its rollouts and the log
 history) in `--output-dir`:
@@ -30,6 +30,7 @@ ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds", 
 TRAINERS = {
     "bgpo": ("BGPOConfig", "BGPOTrainer", ()),
     "wd1": ("WD1Config", "WD1Trainer", ("wd1_weights",)),
+    "just_grpo": ("JustGRPOConfig", "JustGRPOTrainer", ("completion_mask",)),
 }
 
 
@@ -62,6 +63,9 @@ def train_one_step(
         getattr(trl_diffusion.trainer, trainer_name),
     )
     own_settings = {"num_mc_samples": num_mc_samples} if trainer == "bgpo" else {}
+    sampler = dict(block_length=8, diffusion_steps=8)
+    if trainer == "just_grpo":  # left to right: its config fixes one position per block and per step
+        sampler, own_settings = {}, {"just_grpo_positions_per_forward": 3}
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -72,8 +76,7 @@ def train_one_step(
         gradient_accumulation_steps=gradient_accumulation_steps,
         num_generations=num_generations,
         max_completion_length=16,
-        block_length=8,
-        diffusion_steps=8,
+        **sampler,
         temperature=temperature,
         **own_settings,
         max_steps=1,

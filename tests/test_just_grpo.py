@@ -10,7 +10,12 @@
 - the refused sampler settings, the inert prefix cache, and activation memory that does not grow with the passes.
 """
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +53,14 @@ def greedy_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
     on the prefix (one row starts with EOS, one ends at position 5, one never does)."""
     directory = tmp_path_factory.mktemp("greedy-eos-llada")
     return eos_leaning_checkpoint(sharpened(tiny_llada), tiny_tokenizer, directory, eos_weight=18.0)
+
+
+@pytest.fixture(scope="module")
+def short_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
+    """The tiny LLaDA (not sharpened) bent a little towards EOS (weight 0.3): answers of one to a few tokens, so that
+    the rows of one process and of another end at different widths."""
+    directory = tmp_path_factory.mktemp("short-eos-llada")
+    return eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, directory, eos_weight=0.3)
 
 
 def make_trainer(model_dir, output_dir, **settings):
@@ -225,6 +238,26 @@ def test_off_policy_gradient_equals_the_one_at_a_time_reference(case, sharp_eos_
     assert_same_gradients(grads, gradients(model, clear=True), rtol=1e-4, atol=1e-5, label=case)
 
 
+def test_a_wider_answer_on_another_process_changes_only_the_number_of_passes(short_eos_dir, tmp_path):
+    """Every process scores up to the widest answer of any process (the passes must match under ZeRO-3 and FSDP):
+    with another process reporting the whole canvas (8) where this one's answers are at most 6 wide, the step runs
+    3 passes instead of 2 each way, and its loss and gradient are unchanged (the extra positions weigh 0)."""
+    trainer = make_trainer(short_eos_dir, tmp_path)
+    batch = chat_rollouts(trainer)
+    num_scored = batch["completion_ids"].shape[1]
+    assert num_scored <= 6
+    loss, grads, num_calls = piecewise_step(trainer, batch)
+    assert num_calls == 2 * math.ceil(num_scored / 3)
+
+    gather = trainer.accelerator.gather
+    trainer.accelerator.gather = lambda tensor: torch.cat([gather(tensor), torch.tensor([LENGTH])])
+    assert trainer.scored_width(num_scored) == LENGTH
+    wide_loss, wide_grads, wide_calls = piecewise_step(trainer, batch)
+    assert wide_calls == 2 * 3
+    torch.testing.assert_close(wide_loss, loss, rtol=1e-6, atol=1e-7)
+    assert_same_gradients(wide_grads, grads, rtol=1e-5, atol=1e-6, label="scored to L vs to the answer width")
+
+
 def test_activation_memory_is_that_of_one_pass(sharp_eos_dir, tmp_path):
     """Piecewise: the peak bytes saved for backward are those of one pass of 2 positions, however many passes the
     canvas takes (4 here); the same loss kept in one graph (`_compute_loss` with gradients) holds all of them."""
@@ -240,6 +273,58 @@ def test_activation_memory_is_that_of_one_pass(sharp_eos_dir, tmp_path):
     trainer.model.zero_grad(set_to_none=True)
     print(f"\npeak bytes saved for backward: piecewise {piecewise.peak_bytes}, one graph {one_graph.peak_bytes}")
     assert one_graph.peak_bytes >= 3.5 * piecewise.peak_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- data parallel
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def load_worker():
+    spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_processes_train_like_one_process(short_eos_dir, tmp_path):
+    """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows (`ddp_worker.py --trainer
+    just_grpo`: L = 16, 3 positions a pass, early stops): the same rollouts, and the same parameters after one SGD
+    step on both ranks, although the ranks' answers have different widths (each scores up to the wider one)."""
+    one = load_worker().train_one_step(short_eos_dir, str(tmp_path / "one"), 8, trainer="just_grpo")
+    output_dir = tmp_path / "ddp"
+    output_dir.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
+    command += ["--model-dir", short_eos_dir, "--output-dir", str(output_dir), "--trainer", "just_grpo"]
+    command += ["--per-device-train-batch-size", "4"]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
+    ranks = [torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    assert [(run["rank"], run["world_size"]) for run in ranks] == [(0, 2), (1, 2)]
+
+    reference = one["rollouts"][0]
+    for key in ("completion_canvas", "advantages"):
+        assert torch.equal(torch.cat([run["rollouts"][0][key] for run in ranks]), reference[key]), key
+    widths = [run["rollouts"][0]["completion_mask"].shape[1] for run in ranks]
+    print(f"\nTRL's completion widths per rank: {widths}")
+    assert widths[0] != widths[1]
+    worst = largest = 0.0
+    for run in ranks:
+        for name, parameter in one["after"].items():
+            update = parameter - one["before"][name]
+            worst = max(worst, (run["after"][name] - run["before"][name] - update).abs().max().item())
+            largest = max(largest, update.abs().max().item())
+    print(f"two processes vs one: max |update difference| {worst:.3e}, largest update {largest:.3e}")
+    assert largest > 1e-3  # the step did move the parameters
+    assert worst <= 1e-5 * largest
 
 
 # ---------------------------------------------------------------------------------------------------- rollouts
