@@ -174,6 +174,8 @@ def test_on_policy_gradient_equals_the_one_at_a_time_reference(sharp_eos_dir, tm
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     assert_same_gradients(grads, gradients(model, clear=True), rtol=1e-4, atol=1e-5, label="on-policy dr_grpo")
+    with torch.no_grad():  # evaluation's path: the value alone, one sweep
+        torch.testing.assert_close(trainer._compute_loss(model, batch), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
 def bnpo_token_loss(logps, old, ref, advantages, mask, epsilon, beta):
