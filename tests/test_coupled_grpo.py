@@ -242,14 +242,15 @@ def test_complementary_masks_follow_their_rules():
 
 
 def trainer_scores(args, adapter, model, prompt_ids, completion_ids, seeds, iteration, num_scored):
-    """`CoupledGRPOTrainer._coupled_scores` (the trainer's own scoring: its sampler call, region and views) on a
-    stand-in for the trainer that carries only what the method reads."""
+    """`CoupledGRPOTrainer.scores_for_trl` (the trainer's own scoring: its sampler call, region and views) on a
+    stand-in for the trainer that carries only what the methods read."""
     trainer = types.SimpleNamespace(
         args=args,
         adapter=adapter,
         accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext),
         rollout_inputs=lambda inputs: DiffusionRLTrainer.rollout_inputs(None, inputs),
     )
+    trainer.token_scores = lambda *args, **kwargs: CoupledGRPOTrainer.token_scores(trainer, *args, **kwargs)
     rows = seeds.shape[0]
     inputs = {
         "prompt_ids": prompt_ids.expand(rows, -1),
@@ -258,7 +259,7 @@ def trainer_scores(args, adapter, model, prompt_ids, completion_ids, seeds, iter
         "mask_seeds": seeds,
     }
     with torch.no_grad():
-        return CoupledGRPOTrainer._coupled_scores(trainer, model, inputs, iteration, num_scored)
+        return CoupledGRPOTrainer.scores_for_trl(trainer, model, inputs, iteration, num_scored)
 
 
 @pytest.mark.parametrize(("t_range", "full_view"), [((0.2, 0.8), True), ((0.1, 0.5), False)])

@@ -49,7 +49,10 @@ def test_sampler_settings_are_checked(settings, match):
         (dict(temperature=math.nan), "`temperature` must be a finite number"),
         (dict(max_completion_length=8.0), "`max_completion_length` must be an integer"),
         # The trainer config's sampler fields are the sampler's: its messages name them as the user wrote them.
-        (dict(max_completion_length=16, block_length=8, diffusion_steps=7), r"`diffusion_steps` \(7\) must be a multiple"),
+        (
+            dict(max_completion_length=16, block_length=8, diffusion_steps=7),
+            r"`diffusion_steps` \(7\) must be a multiple",
+        ),
     ],
 )
 def test_trainer_config_names_the_sampler_field(settings, match, tmp_path):

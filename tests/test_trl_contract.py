@@ -17,6 +17,7 @@ from trl_diffusion.trainer import (
     ESPOTrainer,
     JustGRPOTrainer,
     LFPOTrainer,
+    TokenLossTrainer,
     VRPOTrainer,
     WD1Trainer,
     base_trainer,
@@ -26,6 +27,7 @@ from trl_diffusion.trainer.base_trainer import TRL_ATTRIBUTES, TRL_CONTRACT, TRL
 from helpers import tiny_grpo_config, tiny_trainer
 
 TRAINER_CLASSES = [
+    TokenLossTrainer,
     DiffusionRLTrainer,
     DiffuGRPOTrainer,
     VRPOTrainer,

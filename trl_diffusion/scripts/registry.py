@@ -29,7 +29,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "bgpo_trainer.BGPOTrainer",
         "BGPO: linear lower bound, one backward per Monte Carlo sample",
     ),
-    "espo": ("espo_config.ESPOConfig", "espo_trainer.ESPOTrainer", "ESPO: coupled ELBO, clipped sequence ratio, k2 KL"),
+    "espo": (
+        "espo_config.ESPOConfig",
+        "espo_trainer.ESPOTrainer",
+        "ESPO: coupled ELBO, clipped sequence ratio, k2 KL",
+    ),
     "lfpo": (
         "lfpo_config.LFPOConfig",
         "lfpo_trainer.LFPOTrainer",

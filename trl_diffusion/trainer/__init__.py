@@ -20,6 +20,7 @@ from .sequence_elbo_config import SequenceELBOConfig
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .sft_config import DiffusionSFTConfig
 from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
+from .token_loss_trainer import TokenLossTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
 from .wd1_config import WD1Config
@@ -42,6 +43,7 @@ __all__ = [
     "LFPOTrainer",
     "SequenceELBOConfig",
     "SequenceELBOTrainer",
+    "TokenLossTrainer",
     "VRPOConfig",
     "VRPOTrainer",
     "WD1Config",

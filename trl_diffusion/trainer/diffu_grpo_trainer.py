@@ -1,21 +1,19 @@
 import textwrap
 
-import torch
-
 from ..likelihood import mean_field_logprobs
-from .base_trainer import DiffusionRLTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
+from .token_loss_trainer import TokenLossTrainer
 
 
-class DiffuGRPOTrainer(DiffusionRLTrainer):
+class DiffuGRPOTrainer(TokenLossTrainer):
     r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
 
     The log-probability of completion token `y_i` is read from one forward pass in which every completion position is
     masked and each prompt token is masked with probability `p_mask_prompt`; the prompt mask is drawn afresh for each
     inner iteration and shared by the current, old and reference policies. Everything else (clipping, the k3 KL,
     every `loss_type`, entropy masking, metrics) is TRL's `GRPOTrainer`: relative to [`DiffusionRLTrainer`], this
-    trainer defines only the log-probabilities TRL's loss reads (`_score_rollouts` for the old and reference ones,
-    `_completion_logps` for the current ones) and hands TRL's `_compute_loss` the current inner iteration's.
+    trainer defines only the per-token log-probabilities TRL's loss reads (`token_scores`; [`TokenLossTrainer`]
+    stores the old and reference ones and hands TRL the current inner iteration's).
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` a [`DiffuGRPOConfig`].
 
@@ -51,54 +49,21 @@ class DiffuGRPOTrainer(DiffusionRLTrainer):
             }"""),
     }
 
-    def _mean_field_logps(self, model, inputs: dict, iteration: int, num_scored: int, return_entropy: bool = False):
-        """Per-token log-probs of the first `num_scored` canvas positions (TRL's cut completions line up with them).
+    score_name = "mean_field_logps"
 
-        TRL pads its completions to a multiple of `pad_to_multiple_of`, which can make them wider than the canvas:
-        the columns past the canvas are padding (outside TRL's completion mask) and get log-prob and entropy 0."""
+    def token_scores(self, model, inputs: dict, iteration: int, scored, return_entropy: bool = False):
+        """d1's one-pass log-probs: the whole canvas masked, each prompt token masked with `p_mask_prompt` (keyed by
+        the row's mask seed and the inner iteration)."""
         prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
-        padding = max(num_scored - canvas.shape[1], 0)
-        scored = torch.arange(canvas.shape[1], device=canvas.device) < num_scored
-        with self.accelerator.autocast():
-            result = mean_field_logprobs(
-                model,
-                self.adapter,
-                prompt_ids,
-                prompt_mask,
-                canvas,
-                self.args.p_mask_prompt,
-                inputs["mask_seeds"],
-                iteration,
-                region=scored.expand_as(canvas),
-                return_entropy=return_entropy,
-            )
-        results = result if return_entropy else (result,)
-        results = tuple(torch.nn.functional.pad(values[:, :num_scored], (0, padding)) for values in results)
-        return results if return_entropy else results[0]
-
-    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
-        num_scored = inputs["completion_ids"].shape[1]
-
-        def score(model, chunk, iteration):
-            return self._mean_field_logps(model, chunk, iteration, num_scored)
-
-        return self.old_and_reference_scores(inputs, mode, score, "mean_field_logps")
-
-    def _compute_loss(self, model, inputs):
-        iteration = inputs["inner_iteration"]
-        inputs = dict(inputs)
-        # TRL's loss reads the old and reference log-probs of this inner iteration under its own keys.
-        for stored, trl_key in (
-            ("old_mean_field_logps", "old_per_token_logps"),
-            ("ref_mean_field_logps", "ref_per_token_logps"),
-        ):
-            if stored in inputs:
-                inputs[trl_key] = inputs[stored][:, iteration]
-        with self.trl_loss_batch(inputs):
-            return super()._compute_loss(model, inputs)
-
-    def _completion_logps(self, model, inputs: dict, logits_to_keep: int, compute_entropy: bool = False):
-        logps, entropies = self._mean_field_logps(
-            model, inputs, inputs["inner_iteration"], logits_to_keep, return_entropy=True
+        return mean_field_logprobs(
+            model,
+            self.adapter,
+            prompt_ids,
+            prompt_mask,
+            canvas,
+            self.args.p_mask_prompt,
+            inputs["mask_seeds"],
+            iteration,
+            region=scored,
+            return_entropy=return_entropy,
         )
-        return logps, entropies if compute_entropy else None, None
