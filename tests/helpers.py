@@ -7,6 +7,11 @@ Fixtures (the tiny models, their saved checkpoint) live in `conftest.py`; these 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -245,3 +250,33 @@ def train_context_model(model, tokenizer, *, steps: int = 250, batch_size: int =
         loss.backward()
         optimizer.step()
     return prompt
+
+
+DDP_WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def load_ddp_worker():
+    """`tests/ddp_worker.py` as a module, for its one-process reference (`train_one_step`)."""
+    spec = importlib.util.spec_from_file_location("ddp_worker", DDP_WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_ddp_worker(output_dir, processes: int, *worker_args: str) -> list[dict]:
+    """`ddp_worker.py WORKER_ARGS --output-dir OUTPUT_DIR` under torchrun with `processes` CPU processes (gloo, one
+    thread each); the results the ranks saved, in rank order."""
+    os.makedirs(output_dir, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command += [str(DDP_WORKER), *worker_args, "--output-dir", str(output_dir)]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
+    return [torch.load(Path(output_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]

@@ -11,12 +11,7 @@ Batches are generated once by a trainer (`_generate_and_score_completions`) and 
 `_prepare_inputs`, so that both trainers see the same rollouts and masks, and generation is never measured.
 """
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,11 +23,18 @@ from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, VRPOConfig, VRPOTrainer
 from trl_diffusion.utils import SavedTensorsMeter
 
-from helpers import assert_same_gradients, distinct_chars, gradients, perturb, select_rows
+from helpers import (
+    assert_same_gradients,
+    distinct_chars,
+    gradients,
+    load_ddp_worker,
+    perturb,
+    run_ddp_worker,
+    select_rows,
+)
 
 COMPLETION_LENGTH = 16
 PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?"]
-WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -299,17 +301,10 @@ def test_per_sample_backward_respects_gradient_accumulation(make_trainer, datase
 # ---------------------------------------------------------------------------------------------------- data parallel
 
 
-def load_worker():
-    spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def one_process_step(tiny_llada_dir, tmp_path_factory):
     """The reference: one process, one optimiser step over the global batch of 8 rows."""
-    return load_worker().train_one_step(tiny_llada_dir, str(tmp_path_factory.mktemp("one-process")), 8)
+    return load_ddp_worker().train_one_step(tiny_llada_dir, str(tmp_path_factory.mktemp("one-process")), 8)
 
 
 def compare_runs(actual, expected, label):
@@ -332,7 +327,7 @@ def compare_runs(actual, expected, label):
 def test_gradient_accumulation_trains_like_one_large_batch(tiny_llada_dir, tmp_path, one_process_step):
     """End to end: per-device batch 4 with GA=2 (one rollout batch of 8, shuffled and split by TRL) takes the same
     optimiser step as one micro-batch of 8."""
-    accumulated = load_worker().train_one_step(tiny_llada_dir, str(tmp_path), 4, gradient_accumulation_steps=2)
+    accumulated = load_ddp_worker().train_one_step(tiny_llada_dir, str(tmp_path), 4, gradient_accumulation_steps=2)
     assert torch.equal(
         accumulated["rollouts"][0]["completion_canvas"], one_process_step["rollouts"][0]["completion_canvas"]
     )
@@ -342,34 +337,7 @@ def test_gradient_accumulation_trains_like_one_large_batch(tiny_llada_dir, tmp_p
 def test_two_processes_train_like_one_process(tiny_llada_dir, tmp_path, one_process_step):
     """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows: same rollouts (keyed by global
     row, temperature 0.7, prompts of different lengths), same parameters after the step, on both ranks."""
-    output_dir = tmp_path / "ddp"
-    output_dir.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(WORKER),
-        "--model-dir",
-        tiny_llada_dir,
-        "--output-dir",
-        str(output_dir),
-        "--per-device-train-batch-size",
-        "4",
-    ]
-    root = str(Path(__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
-    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
-    ranks = [torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    ranks = run_ddp_worker(tmp_path / "ddp", 2, "--model-dir", tiny_llada_dir, "--per-device-train-batch-size", "4")
     assert [(run["rank"], run["world_size"]) for run in ranks] == [(0, 2), (1, 2)]
     assert ranks[0]["distributed_type"] == "DistributedType.MULTI_CPU"
 

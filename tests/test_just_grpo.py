@@ -10,12 +10,7 @@
 - the refused sampler settings, the inert prefix cache, and activation memory that does not grow with the passes.
 """
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +25,9 @@ from helpers import (
     assert_same_gradients,
     eos_leaning_checkpoint,
     gradients,
+    load_ddp_worker,
     perturb,
+    run_ddp_worker,
     sharpened,
     tiny_grpo_config,
     tiny_trainer,
@@ -279,37 +276,14 @@ def test_activation_memory_is_that_of_one_pass(sharp_eos_dir, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- data parallel
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-def load_worker():
-    spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_two_processes_train_like_one_process(short_eos_dir, tmp_path):
     """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows (`ddp_worker.py --trainer
     just_grpo`: L = 16, 3 positions a pass, early stops): the same rollouts, and the same parameters after one SGD
     step on both ranks, although the ranks' answers have different widths (each scores up to the wider one)."""
-    one = load_worker().train_one_step(short_eos_dir, str(tmp_path / "one"), 8, trainer="just_grpo")
-    output_dir = tmp_path / "ddp"
-    output_dir.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
-    command += ["--model-dir", short_eos_dir, "--output-dir", str(output_dir), "--trainer", "just_grpo"]
-    command += ["--per-device-train-batch-size", "4"]
-    root = str(Path(__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
-    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
-    ranks = [torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    one = load_ddp_worker().train_one_step(short_eos_dir, str(tmp_path / "one"), 8, trainer="just_grpo")
+    arguments = ["--model-dir", short_eos_dir, "--trainer", "just_grpo", "--per-device-train-batch-size", "4"]
+    ranks = run_ddp_worker(tmp_path / "ddp", 2, *arguments)
     assert [(run["rank"], run["world_size"]) for run in ranks] == [(0, 2), (1, 2)]
 
     reference = one["rollouts"][0]

@@ -10,11 +10,6 @@
   of their group's softmax.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,9 +19,17 @@ from trl_diffusion.models.tiny import reinitialise
 from trl_diffusion.trainer import WD1Config, WD1Trainer
 
 import helpers
-from helpers import assert_same_gradients, gradients, save_checkpoint, select_rows, tiny_grpo_config, tiny_trainer
+from helpers import (
+    assert_same_gradients,
+    gradients,
+    load_ddp_worker,
+    run_ddp_worker,
+    save_checkpoint,
+    select_rows,
+    tiny_grpo_config,
+    tiny_trainer,
+)
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
 # Two groups of four, none with equal advantages (TRL's would come from the toy reward; fixed ones are readable).
 ADVANTAGES = torch.tensor([1.5, -0.5, 0.25, -1.25, 2.0, -3.0, 0.75, -0.1])
 
@@ -121,31 +124,9 @@ def test_loss_does_not_depend_on_the_micro_batch_split(tiny_llada_dir, tmp_path)
 
 def run_worker(tiny_llada_dir, output_dir, processes, per_device, accumulation):
     """`ddp_worker.py --trainer wd1` with G = 4 on `processes` processes; the rank results."""
-    output_dir.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    command += [str(WORKER), "--model-dir", tiny_llada_dir, "--output-dir", str(output_dir), "--trainer", "wd1"]
-    command += ["--per-device-train-batch-size", str(per_device), "--gradient-accumulation-steps", str(accumulation)]
-    command += ["--num-generations", "4"]
-    root = str(Path(__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
-    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
-    return [torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
-
-
-def load_worker():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    arguments = ["--model-dir", tiny_llada_dir, "--trainer", "wd1", "--num-generations", "4"]
+    arguments += ["--per-device-train-batch-size", str(per_device), "--gradient-accumulation-steps", str(accumulation)]
+    return run_ddp_worker(output_dir, processes, *arguments)
 
 
 def test_two_processes_weigh_and_train_like_one_process(tiny_llada_dir, tmp_path):
@@ -153,7 +134,7 @@ def test_two_processes_weigh_and_train_like_one_process(tiny_llada_dir, tmp_path
     between the processes (rows 4-5 on rank 0, 6-7 on rank 1). The weights the ranks carry, put together, are the
     one-process weights over the same 12 rows (one micro-batch of 12); each group's sum to zero; the parameters after
     one SGD step are the one-process ones."""
-    one = load_worker().train_one_step(tiny_llada_dir, str(tmp_path / "one"), 12, num_generations=4, trainer="wd1")
+    one = load_ddp_worker().train_one_step(tiny_llada_dir, str(tmp_path / "one"), 12, num_generations=4, trainer="wd1")
     ranks = run_worker(tiny_llada_dir, tmp_path / "ddp", processes=2, per_device=3, accumulation=2)
     assert [(run["rank"], run["world_size"]) for run in ranks] == [(0, 2), (1, 2)]
     assert ranks[0]["distributed_type"] == "DistributedType.MULTI_CPU"
