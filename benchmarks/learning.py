@@ -32,7 +32,6 @@ from pathlib import Path
 from _common import (
     COLORS,
     LABELS,
-    TRAINERS,
     benchmark_parser,
     format_table,
     fresh_process_context,
@@ -43,6 +42,28 @@ from _common import (
     select_preset,
     set_threads,
 )
+from _common import TRAINERS as ELBO_AND_FIRST_WAVE_TRAINERS
+
+from trl_diffusion.trainer import (
+    CoupledGRPOConfig,
+    CoupledGRPOTrainer,
+    JustGRPOConfig,
+    JustGRPOTrainer,
+    WD1Config,
+    WD1Trainer,
+)
+
+# The first five (shared with the memory and step-time benchmarks) and the second wave (issue 16).
+TRAINERS = {
+    **ELBO_AND_FIRST_WAVE_TRAINERS,
+    "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer),
+    "wd1": (WD1Config, WD1Trainer),
+    "just_grpo": (JustGRPOConfig, JustGRPOTrainer),
+}
+LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO"}
+COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive"}
+# JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
+LEFT_TO_RIGHT = {"just_grpo"}
 
 # Fixed for every trainer: the budget and the comparability settings.
 RL_SETTINGS = {
@@ -58,6 +79,8 @@ RL_SETTINGS = {
 }
 # KL coefficient towards the SFT model, as in the demo; LFPO has no likelihood and so no KL term.
 BETA = {"diffu_grpo": 0.04, "vrpo": 0.04, "bgpo": 0.04, "espo": 0.04, "lfpo": 0.0}
+# wd1 is ratio-free with no KL term; coupled-GRPO and JustGRPO keep the others' KL.
+BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04})
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "diffu_grpo": ("p_mask_prompt",),
@@ -65,6 +88,9 @@ OBJECTIVE_FIELDS = {
     "bgpo": ("num_mc_samples",),
     "espo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
     "lfpo": ("lfpo_num_states", "lfpo_states", "lfpo_group_size", "contrastive_beta", "lfpo_variant"),
+    "coupled_grpo": ("coupled_full_view", "coupled_t_range", "epsilon", "loss_type"),
+    "wd1": ("psi", "p_mask_prompt"),
+    "just_grpo": ("just_grpo_positions_per_forward", "loss_type"),
 }
 
 
@@ -134,13 +160,15 @@ def rl_job(job: dict) -> dict:
     task = get_task(TASK)
     name, seed = job["trainer"], job["seed"]
     config_class, trainer_class = TRAINERS[name]
+    sampler = {} if name in LEFT_TO_RIGHT else {"block_length": task.block_length}
+    if name not in LEFT_TO_RIGHT:
+        sampler["diffusion_steps"] = task.max_completion_length
     config = config_class(
         output_dir=job["output_dir"],
         max_steps=job["rl_steps"],
         learning_rate=job["learning_rate"],
         max_completion_length=task.max_completion_length,
-        block_length=task.block_length,
-        diffusion_steps=task.max_completion_length,
+        **sampler,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
