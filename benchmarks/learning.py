@@ -254,9 +254,11 @@ def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Pa
     bars.set_ylabel(f"held-out accuracy, greedy ({settings['num_eval_examples']} test prompts)")
     bars.set_title(f"After {settings['rl_steps']} RL steps (mean ± std over seeds)", fontsize=10)
     bars.grid(True, axis="y", alpha=0.3)
+    without_kl = [LABELS[name] for name in trainers if BETA[name] == 0]
     figure.suptitle(
         f"largest_digit, tiny LLaDA: SFT {settings['sft_steps']} steps, then each trainer with the same budget "
-        f"(batch 8x8, lr {settings['learning_rate']:g}, mu 1, beta 0.04; LFPO 0)",
+        f"(batch 8x8, lr {settings['learning_rate']:g}, mu 1, beta 0.04"
+        + (f"; {', '.join(without_kl)} 0)" if without_kl else ")"),
         fontsize=11,
     )
     figure.tight_layout()
@@ -298,7 +300,7 @@ def main(argv=None) -> dict:
         "num_eval_examples": args.num_eval_examples or preset.num_eval_examples,
         "learning_rate": args.learning_rate or preset.learning_rate,
         "rl": RL_SETTINGS,
-        "beta": BETA,
+        "beta": {name: BETA[name] for name in args.trainers},
     }
     threads = args.threads if device == "cpu" else None
     context = fresh_process_context(device)

@@ -119,12 +119,15 @@ def test_learning_smoke(tmp_path):
         "bgpo": 0.04,
         "espo": 0.04,
         "lfpo": 0.0,
+        "coupled_grpo": 0.04,
+        "wd1": 0.0,
+        "just_grpo": 0.04,
     }
     assert settings["rl"]["per_device_train_batch_size"] == 64 and settings["rl"]["num_generations"] == 8
     assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
     assert [run["seed"] for run in payload["sft"]["runs"]] == [0]
     results = {result["trainer"]: result for result in payload["results"]}
-    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo"}
+    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo", "coupled_grpo", "wd1", "just_grpo"}
     for name, result in results.items():
         assert {
             "objective",
