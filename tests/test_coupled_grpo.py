@@ -35,6 +35,7 @@ from test_objective_oracles import (  # noqa: F401  (sensitive_llada_dir is a fi
     moved_policy_loss_and_gradients,
     off_policy_batch,
     sensitive_llada_dir,
+    token_grpo_reference_loss,
 )
 from trl import TrlParser
 
@@ -326,14 +327,11 @@ def test_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, tmp_path):  
     for iteration in range(num_iterations):
         loss, actual = moved_policy_loss_and_gradients(trainer, model, inputs, iteration)
         scores = coupled_reference(model, inputs, iteration, t_range)
-        ratio = torch.exp(scores - old_scores[iteration])
-        clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
-        per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-        ref_gap = ref_scores[iteration] - scores
-        per_token = per_token + beta * (torch.exp(ref_gap) - ref_gap - 1)
-        expected_loss = (per_token * mask).sum() / mask.sum() / trainer.args.gradient_accumulation_steps
+        expected_loss, clipped_fraction = token_grpo_reference_loss(
+            scores, old_scores[iteration], ref_scores[iteration], advantages, mask, epsilon, beta, trainer
+        )
         assert_same_loss_and_gradients(model, loss, actual, expected_loss)
-        clipped_fractions.append(((ratio - clipped).abs() > 0).float().mul(mask).sum().item() / mask.sum().item())
+        clipped_fractions.append(clipped_fraction)
     assert 0 < max(clipped_fractions) and min(clipped_fractions) < 1, clipped_fractions
 
 

@@ -83,6 +83,20 @@ def assert_same_loss_and_gradients(model, loss, actual, expected_loss):
     assert_same_gradients(actual, gradients(model), rtol=1e-4, atol=1e-6)
 
 
+def token_grpo_reference_loss(scores, old_scores, ref_scores, advantages, mask, epsilon, beta, trainer):
+    """TRL's bnpo loss written out on per-token scores: `-min(rho A, clip(rho, 1 +- epsilon) A)` plus `beta` times
+    the k3 KL to the reference, the mean over the masked tokens, divided by the accumulation steps; and the fraction
+    of the masked tokens whose ratio is clipped."""
+    ratio = torch.exp(scores - old_scores)
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    ref_gap = ref_scores - scores
+    per_token = per_token + beta * (torch.exp(ref_gap) - ref_gap - 1)
+    loss = (per_token * mask).sum() / mask.sum() / trainer.args.gradient_accumulation_steps
+    clipped_fraction = ((ratio - clipped).abs() > 0).float().mul(mask).sum().item() / mask.sum().item()
+    return loss, clipped_fraction
+
+
 def mean_field_reference(model, inputs, p_mask_prompt, iteration):
     """d1's one-pass log-probs of the canvas tokens (every completion position masked, the prompt masked with the
     iteration's draw), at the positions of TRL's cut completions."""
@@ -121,14 +135,11 @@ def test_diffu_grpo_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, t
     for iteration in range(num_iterations):
         loss, actual = moved_policy_loss_and_gradients(trainer, model, inputs, iteration)
         logps = mean_field_reference(model, inputs, p_mask_prompt, iteration)
-        ratio = torch.exp(logps - old_logps[iteration])
-        clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
-        per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-        ref_gap = ref_logps[iteration] - logps
-        per_token = per_token + beta * (torch.exp(ref_gap) - ref_gap - 1)
-        expected_loss = (per_token * mask).sum() / mask.sum() / trainer.args.gradient_accumulation_steps
+        expected_loss, clipped_fraction = token_grpo_reference_loss(
+            logps, old_logps[iteration], ref_logps[iteration], advantages, mask, epsilon, beta, trainer
+        )
         assert_same_loss_and_gradients(model, loss, actual, expected_loss)
-        clipped_fractions.append(((ratio - clipped).abs() > 0).float().mul(mask).sum().item() / mask.sum().item())
+        clipped_fractions.append(clipped_fraction)
     # Some ratios are clipped and some are not: both branches of the min are exercised.
     assert 0 < max(clipped_fractions) and min(clipped_fractions) < 1, clipped_fractions
 
