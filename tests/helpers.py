@@ -280,3 +280,17 @@ def run_ddp_worker(output_dir, processes: int, *worker_args: str) -> list[dict]:
     process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
     return [torch.load(Path(output_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
+
+
+def assert_same_update(runs: list[dict], reference: dict, label: str) -> None:
+    """Each run's optimiser step (`after - before` of every parameter, as `ddp_worker.train_one_step` returns them)
+    equals the reference run's within 1e-5 of the largest update, and the step did move the parameters."""
+    worst = largest = 0.0
+    for run in runs:
+        for name, parameter in reference["after"].items():
+            update = parameter - reference["before"][name]
+            worst = max(worst, (run["after"][name] - run["before"][name] - update).abs().max().item())
+            largest = max(largest, update.abs().max().item())
+    print(f"{label}: max |update difference| {worst:.3e}, largest update {largest:.3e}")
+    assert largest > 1e-3  # the step did move the parameters
+    assert worst <= 1e-5 * largest

@@ -23,6 +23,7 @@ from trl_diffusion.utils.memory import SavedTensorsMeter
 from helpers import (
     CHAT_PROMPTS,
     assert_same_gradients,
+    assert_same_update,
     eos_leaning_checkpoint,
     gradients,
     load_ddp_worker,
@@ -292,15 +293,7 @@ def test_two_processes_train_like_one_process(short_eos_dir, tmp_path):
     widths = [run["rollouts"][0]["completion_mask"].shape[1] for run in ranks]
     print(f"\nTRL's completion widths per rank: {widths}")
     assert widths[0] != widths[1]
-    worst = largest = 0.0
-    for run in ranks:
-        for name, parameter in one["after"].items():
-            update = parameter - one["before"][name]
-            worst = max(worst, (run["after"][name] - run["before"][name] - update).abs().max().item())
-            largest = max(largest, update.abs().max().item())
-    print(f"two processes vs one: max |update difference| {worst:.3e}, largest update {largest:.3e}")
-    assert largest > 1e-3  # the step did move the parameters
-    assert worst <= 1e-5 * largest
+    assert_same_update(ranks, one, "two processes vs one")
 
 
 # ---------------------------------------------------------------------------------------------------- rollouts
