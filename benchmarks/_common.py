@@ -24,30 +24,14 @@ import torch
 import transformers
 
 from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, build_tiny_llada, build_tiny_tokenizer
+from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.tasks import get_task
-from trl_diffusion.trainer import (
-    BGPOConfig,
-    BGPOTrainer,
-    DiffuGRPOConfig,
-    DiffuGRPOTrainer,
-    ESPOConfig,
-    ESPOTrainer,
-    LFPOConfig,
-    LFPOTrainer,
-    VRPOConfig,
-    VRPOTrainer,
-)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NUMBER = re.compile(r"[x0-9.,/%+-]+")
 
-TRAINERS = {
-    "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer),
-    "vrpo": (VRPOConfig, VRPOTrainer),
-    "bgpo": (BGPOConfig, BGPOTrainer),
-    "espo": (ESPOConfig, ESPOTrainer),
-    "lfpo": (LFPOConfig, LFPOTrainer),
-}
+# name -> (config class, trainer class), from the command line's registry.
+TRAINERS = {name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "espo", "lfpo")}
 LABELS = {"diffu_grpo": "DiffuGRPO (d1)", "vrpo": "VRPO", "bgpo": "BGPO", "espo": "ESPO", "lfpo": "LFPO"}
 COLORS = {"diffu_grpo": "tab:gray", "vrpo": "tab:red", "bgpo": "tab:blue", "espo": "tab:orange", "lfpo": "tab:green"}
 LINE_STYLES = {"vrpo": "o-", "bgpo": "s-", "espo": "^-", "lfpo": "D--"}

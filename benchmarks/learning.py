@@ -42,23 +42,14 @@ from _common import (
     select_preset,
     set_threads,
 )
-from _common import TRAINERS as ELBO_AND_FIRST_WAVE_TRAINERS
+from _common import TRAINERS as FIRST_WAVE_TRAINERS
 
-from trl_diffusion.trainer import (
-    CoupledGRPOConfig,
-    CoupledGRPOTrainer,
-    JustGRPOConfig,
-    JustGRPOTrainer,
-    WD1Config,
-    WD1Trainer,
-)
+from trl_diffusion.scripts.registry import trainer_classes
 
 # The first five (shared with the memory and step-time benchmarks) and the second wave (issue 16).
 TRAINERS = {
-    **ELBO_AND_FIRST_WAVE_TRAINERS,
-    "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer),
-    "wd1": (WD1Config, WD1Trainer),
-    "just_grpo": (JustGRPOConfig, JustGRPOTrainer),
+    **FIRST_WAVE_TRAINERS,
+    **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo")},
 }
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO"}
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive"}

@@ -15,9 +15,8 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.trainer import (
-    BGPOConfig,
-    BGPOTrainer,
     CoupledGRPOConfig,
     CoupledGRPOTrainer,
     DiffuGRPOConfig,
@@ -47,14 +46,8 @@ from helpers import (
 
 # ---------------------------------------------------------------------------------------------- shared helpers
 
-TRAINERS = {
-    "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer),
-    "vrpo": (VRPOConfig, VRPOTrainer),
-    "bgpo": (BGPOConfig, BGPOTrainer),
-    "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer),
-    "wd1": (WD1Config, WD1Trainer),
-    "just_grpo": (JustGRPOConfig, JustGRPOTrainer),
-}
+# name -> (config class, trainer class), from the command line's registry.
+TRAINERS = {name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "coupled_grpo", "wd1", "just_grpo")}
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
 LEFT_TO_RIGHT = dict(block_length=1, diffusion_steps=None)
 # Trainers whose objective has no KL term (their configs refuse `beta != 0`): every case runs them with beta 0.
