@@ -763,8 +763,15 @@ def test_trainer_quadrature_sampler_is_the_quadrature_of_the_elbo(
     if n <= 2 * num_nodes:
         _assert_close(quadrature, table.elbo())
     bias = quadrature - table.elbo()
+    # Measured for docs/likelihood.md, not asserted: the spread against the default sampler at the same n_t, and the
+    # bias of the fixed-count variant (round(t n) positions masked, weight a / t) that GDPO's public ports use.
+    stratified = _trainer_plan(tiny_llama_adapter, completion_ids, "stratified", elbo_region, num_mc_samples, tmp_path)
+    f = table.mean_by_size()
+    fixed_count = sum(w / t * f[min(n, max(1, round(t * n)))].item() for t, w in zip(nodes, weights))
     print(
-        f"\n[{sampler}, n={n}, {elbo_region}] quadrature {quadrature:.4f}, ELBO {table.elbo():.4f}, bias {bias:+.4f}"
+        f"\n[{sampler}, n={n}, {elbo_region}, n_t={num_mc_samples}] quadrature {quadrature:.4f}, ELBO "
+        f"{table.elbo():.4f}, bias {bias:+.4f}; std {_plan_values(plan, table).std().item():.2f} against stratified's "
+        f"{_plan_values(stratified, table).std().item():.2f}; fixed-count variant's bias {fixed_count - table.elbo():+.4f}"
     )
 
 
