@@ -137,6 +137,9 @@ def main():
         trainer=parsed.trainer,
     )
     torch.save(result, os.path.join(parsed.output_dir, f"rank{result['rank']}.pt"))
+    # As the training script's `trainer.end()`: a process group left alive at exit can abort the process.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
