@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -28,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from accelerate.utils import DistributedType
 from peft.utils.error import NoMatchingPeftModuleError
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 from trl import GRPOTrainer
@@ -37,6 +36,7 @@ from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
 from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
 from ..hub import HubErrorsMixin
+from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter
 from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, derive_seed
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 # Per process, in a checkpoint: the rollout round in progress and the counters that drive it.
 ROLLOUT_STATE_NAME = "rollout_state_{}.pt"
 
-# The TRL (and transformers) methods that `TRLContractMixin` overrides, with the parameters of the version it was
-# checked against (TRL 1.16.0, transformers 5.24.0). `tests/test_trl_contract.py` fails when one of them changes.
+# The TRL (and transformers) methods that `TRLContractMixin` (and LFPO, `_save_checkpoint`) overrides, with the
+# parameters of the version it was checked against (TRL 1.16.0, transformers 5.24.0). `tests/test_trl_contract.py`
+# fails when one of them changes.
 TRL_CONTRACT = {  # fmt: skip
     "_tokenize_prompts": ("self", "prompts"),
     "_generate_single_turn": (
@@ -154,8 +155,9 @@ class TRLContractMixin:
       it belongs to is lent for that call through `trl_loss_batch` (`self._trl_loss_batch`), and the trainer's
       `_completion_logps` receives it as an argument. For an objective back-propagated part by part
       (`backward_in_pieces`), `training_step` is replaced: see its docstring.
-    - `_save_checkpoint`, `_save_rng_state` and `_load_optimizer_and_scheduler` add the model card, the rollout
-      round in progress and the reward-failure counters to checkpoints.
+    - `_save_rng_state` and `_load_optimizer_and_scheduler` add the rollout round in progress and the
+      reward-failure counters to checkpoints (the model card comes with `save_model`, which the checkpoint calls:
+      `trl_diffusion.model_card.DiffusionModelCardMixin`).
 
     It also reads and writes these attributes of TRL's trainer (`TRL_ATTRIBUTES`, checked by the same test): the
     micro-step counter `_step` and the rollout buffer `_buffered_inputs` (resume inside a rollout round),
@@ -312,26 +314,6 @@ class TRLContractMixin:
             self._current_train_step_time = 0.0
         return total_loss
 
-    def _save_checkpoint(self, model, trial):
-        # TRL writes the model card (algorithm, paper, citation) to `output_dir` only. Put a copy in the checkpoint
-        # too, before the weights are saved, so that PEFT adds its adapter metadata to it instead of writing its own.
-        if self.args.should_save:
-            hub_model_id = self.args.hub_model_id
-            name = (
-                hub_model_id.split("/")[-1]
-                if hub_model_id
-                else os.path.basename(os.path.normpath(self.args.output_dir))
-            )
-            self.create_model_card(model_name=name)
-            card = os.path.join(self.args.output_dir, "README.md")
-            checkpoint = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            if os.path.isfile(card):
-                os.makedirs(checkpoint, exist_ok=True)
-                shutil.copyfile(card, os.path.join(checkpoint, "README.md"))
-        super()._save_checkpoint(model, trial)
-
     def _save_rng_state(self, output_dir):
         # With the random states, and for the same reason: a run resumed inside a rollout round (`num_iterations`
         # > 1 or `steps_per_generation` > GA) must train on the rest of that round's rollouts, which TRL keeps in
@@ -389,7 +371,7 @@ def trl_contract_drift() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     return drift
 
 
-class DiffusionRLTrainer(HubErrorsMixin, TRLContractMixin, GRPOTrainer):
+class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, TRLContractMixin, GRPOTrainer):
     """The shared base of the trl_diffusion RL trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
 
     It is not an algorithm by itself. What it changes relative to `GRPOTrainer`: completions come from the denoising

@@ -25,6 +25,7 @@ from trl.data_utils import get_dataset_column_names
 from trl.trainer.utils import get_config_model_id, global_then_local_main_first, pad
 
 from ..hub import HubErrorsMixin
+from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter
 from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
@@ -136,7 +137,7 @@ def _split_at_completion(example: dict) -> dict:
     return {"prompt_ids": example["input_ids"][:prompt_length], "completion_ids": example["input_ids"][prompt_length:]}
 
 
-class DiffusionSFTTrainer(HubErrorsMixin, SFTTrainer):
+class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, SFTTrainer):
     r"""Completion-only supervised fine-tuning of a masked diffusion language model, as LLaDA (and d1, before RL) do.
 
     For each completion a masking ratio `t ~ U(timestep_eps, 1)` is drawn and each completion token is replaced by
