@@ -51,6 +51,7 @@ _import_structure = {
         "sample_masks",
     ],
     "models": ["DiffusionAdapter", "DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM"],
+    "plotting": ["load_log_history", "plot_log_history", "plot_training_curves"],
     "tasks": ["TASKS", "Task", "get_task"],
     "trainer": [
         "BGPOConfig",
@@ -120,6 +121,7 @@ if TYPE_CHECKING:
         sample_masks,
     )
     from .models import DiffusionAdapter, DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM
+    from .plotting import load_log_history, plot_log_history, plot_training_curves
     from .tasks import TASKS, Task, get_task
     from .trainer import (
         BGPOConfig,

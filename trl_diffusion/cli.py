@@ -4,6 +4,7 @@ to one script per job and relaunches training under `accelerate launch`.
     trl-diffusion {diffu_grpo,vrpo,bgpo,espo,lfpo,sft} --model_name_or_path ... --dataset_name countdown ...
     trl-diffusion eval --model PATH --task countdown [--num_examples 200 --split test --output results.json]
     trl-diffusion demo
+    trl-diffusion plot OUTPUT_DIR [--output_dir OUTPUT_DIR/plots] [--title NAME]
 
 The training subcommands (`trl_diffusion.scripts.registry.TRAINING_COMMANDS`) run `trl_diffusion.scripts.train`,
 `eval` runs `trl_diffusion.scripts.eval`, and `demo` runs `trl_diffusion.demo`. `--accelerate_config` (a preset
@@ -155,6 +156,7 @@ def _build_parser() -> argparse.ArgumentParser:
         subparsers.add_parser(name, help=help_text, add_help=False)
     subparsers.add_parser("eval", help="task accuracy of a saved model", add_help=False)
     subparsers.add_parser("demo", help="the tiny end-to-end demo (trl_diffusion.demo)", add_help=False)
+    subparsers.add_parser("plot", help="training curves of a run as PNGs", add_help=False)
     return parser
 
 
@@ -176,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         from .scripts.eval import main as eval_main
 
         return eval_main(command_argv)
+    if args.command == "plot":
+        from .scripts.plot import main as plot_main
+
+        return plot_main(command_argv)
     if args.command == "demo":
         from .demo import main as demo_main
 

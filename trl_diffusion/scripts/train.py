@@ -135,6 +135,7 @@ def train(command: str, script_args: DiffusionScriptArguments, training_args, mo
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json in output_dir: the logs `trl-diffusion plot` draws
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
