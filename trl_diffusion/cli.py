@@ -3,14 +3,15 @@ to one script per job and relaunches training under `accelerate launch`.
 
     trl-diffusion {diffu_grpo,vrpo,bgpo,espo,lfpo,sft} --model_name_or_path ... --dataset_name countdown ...
     trl-diffusion eval --model PATH --task countdown [--num_examples 200 --split test --output results.json]
+    trl-diffusion lm-eval --model_args pretrained=PATH,max_completion_length=256 --tasks gsm8k [harness flags]
     trl-diffusion demo
     trl-diffusion plot OUTPUT_DIR [--output_dir OUTPUT_DIR/plots] [--title NAME]
 
 The training subcommands (`trl_diffusion.scripts.registry.TRAINING_COMMANDS`) run `trl_diffusion.scripts.train`,
-`eval` runs `trl_diffusion.scripts.eval`, and `demo` runs `trl_diffusion.demo`. `--accelerate_config` (a preset
-shipped in `trl_diffusion/accelerate_configs`, or a path) relaunches the same command with `accelerate launch`;
-arguments the parser does not know (`--num_processes 8`, `--mixed_precision no`, ...) go to `accelerate launch`.
-See docs/cli.md.
+`eval` runs `trl_diffusion.scripts.eval`, `lm-eval` runs `trl_diffusion.scripts.harness` (EleutherAI's harness) and
+`demo` runs `trl_diffusion.demo`. `--accelerate_config` (a preset shipped in `trl_diffusion/accelerate_configs`, or a
+path) relaunches a training command with `accelerate launch`; arguments the parser does not know (`--num_processes
+8`, `--mixed_precision no`, ...) go to `accelerate launch`. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, (_, _, help_text) in TRAINING_COMMANDS.items():
         subparsers.add_parser(name, help=help_text, add_help=False)
     subparsers.add_parser("eval", help="task accuracy of a saved model", add_help=False)
+    subparsers.add_parser(
+        "lm-eval", help="EleutherAI's lm-evaluation-harness with the diffusion model class", add_help=False
+    )
     subparsers.add_parser("demo", help="the tiny end-to-end demo (trl_diffusion.demo)", add_help=False)
     subparsers.add_parser("plot", help="training curves of a run as PNGs", add_help=False)
     return parser
@@ -178,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         from .scripts.eval import main as eval_main
 
         return eval_main(command_argv)
+    if args.command == "lm-eval":
+        from .scripts.harness import main as harness_main
+
+        return harness_main(command_argv)
     if args.command == "plot":
         from .scripts.plot import main as plot_main
 

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import transformers
@@ -43,6 +44,94 @@ def task_generation_config(task, **overrides) -> DiffusionGenerationConfig:
     number of steps (`max_completion_length // 2`). `overrides` are any other [`DiffusionGenerationConfig`] fields."""
     settings = {"max_completion_length": task.max_completion_length, "block_length": task.block_length, **overrides}
     return DiffusionGenerationConfig(**settings)
+
+
+def evaluation_adapter(model, tokenizer) -> DiffusionAdapter:
+    """The adapter evaluation drives `model` with: resolved from the model and tokenizer, with the tokenizer's EOS
+    added to the terminators (as the trainers do)."""
+    adapter = DiffusionAdapter.from_model(model, tokenizer)
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return replace(adapter, terminator_ids=tuple(dict.fromkeys([*adapter.terminator_ids, *eos])))
+
+
+def load_for_evaluation(
+    model_name_or_path: str,
+    *,
+    base_model: str | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    argument: str = "model",
+    base_argument: str = "base_model",
+):
+    """Loads a model to evaluate and its tokenizer: a full checkpoint, or a PEFT (LoRA) adapter on its base model.
+
+    An adapter (a directory or Hub id holding `adapter_config.json`) is loaded on top of its base model with
+    `peft.PeftModel.from_pretrained`, unmerged: the evaluation runs the adapter as trained, with no merged copy of
+    the weights. The base model is `base_model` when given, else the adapter's `base_model_name_or_path`. The
+    tokenizer comes from the adapter directory when it holds one (the trainers save it there), else from the base.
+
+    Args:
+        model_name_or_path (`str`):
+            Path or Hub id of a checkpoint or of a PEFT adapter.
+        base_model (`str`, *optional*):
+            Path or Hub id of the adapter's base model, overriding the `base_model_name_or_path` of its
+            `adapter_config.json` (e.g. when the adapter was trained on a copy saved at another path).
+        dtype (`str`, *optional*, defaults to `"auto"`):
+            Dtype the model is loaded in.
+        trust_remote_code (`bool`, *optional*, defaults to `False`):
+            Allow custom model code from the Hub.
+        argument, base_argument (`str`, *optional*):
+            How the caller names the two arguments (`--model` and `--base_model` on the command line), for the
+            error messages.
+
+    Returns:
+        `(model, tokenizer)`: the model (a `PeftModel` for an adapter) in eval mode, and its tokenizer.
+    """
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import find_adapter_config_file
+
+    from .validation import TOKENIZER_FILES, check_model_path, check_tokenizer_files
+
+    check_model_path(model_name_or_path, argument)
+    adapter_config_file = find_adapter_config_file(model_name_or_path)
+    load = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if adapter_config_file is None:
+        if base_model is not None:
+            raise ValueError(
+                f"{base_argument} {base_model!r} is the base model of a PEFT adapter, and {argument} "
+                f"{model_name_or_path!r} is a full checkpoint (it has no adapter_config.json): drop {base_argument}."
+            )
+        check_tokenizer_files(model_name_or_path, argument)
+        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **load)
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+        return model.eval(), tokenizer
+
+    from peft import PeftModel
+
+    with open(adapter_config_file) as file:
+        base = base_model or json.load(file).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(
+            f"{adapter_config_file} names no base model (its `base_model_name_or_path` is empty): pass the base "
+            f"model with {base_argument}."
+        )
+    base_source = (
+        base_argument
+        if base_model
+        else f"`base_model_name_or_path` of {adapter_config_file} ({base_argument} overrides it)"
+    )
+    check_model_path(base, base_source)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, **load), model_name_or_path)
+    adapter_directory = Path(model_name_or_path).expanduser()
+    if adapter_directory.is_dir() and any((adapter_directory / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer_source = model_name_or_path
+    else:
+        check_tokenizer_files(base, base_source)
+        tokenizer_source = base
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
+    return model.eval(), tokenizer
 
 
 def _no_op(*args, **kwargs):
@@ -175,9 +264,7 @@ def evaluate_task(
     if generation_config is None:
         generation_config = task_generation_config(task)
     if adapter is None:
-        adapter = DiffusionAdapter.from_model(model, tokenizer)
-        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        adapter = replace(adapter, terminator_ids=tuple(dict.fromkeys([*adapter.terminator_ids, *eos])))
+        adapter = evaluation_adapter(model, tokenizer)
     process_index = accelerator.process_index if accelerator is not None else 0
     num_processes = accelerator.num_processes if accelerator is not None else 1
     pad_token_id = adapter.pad_token_id if adapter.pad_token_id is not None else tokenizer.pad_token_id

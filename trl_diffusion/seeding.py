@@ -19,7 +19,9 @@ LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
     MASK_PAIR        coupled-GRPO's complementary pair: the row's timestep t, then one uniform per canvas position
 
 Diffusion SFT noise: derive_seed(seed, SFT_TRAIN_NOISE, step, micro-batch, process) or (SFT_EVAL_NOISE, batch,
-process). Evaluation sampling: derive_seed(seed, example index).
+process). Evaluation sampling: derive_seed(seed, example index). The harness model (`trl_diffusion.harness`), keyed by
+content so that neither the batch nor the process matters: mask seed = derive_seed(seed, digest of the context and
+continuation ids) >> 2; sampling = derive_seed(seed, digest of the context ids, occurrence of that context).
 """
 
 from __future__ import annotations

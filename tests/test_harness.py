@@ -1,0 +1,170 @@
+"""The lm-evaluation-harness model (`trl_diffusion.harness.DiffusionLM`), offline: two harness tasks defined by YAML
+files over a local JSONL file (tests/data/), on the tiny LLaDA. Its generations equal `evaluate_task`'s decoding of
+the same prompts with the same sampler, and its log-likelihoods equal the package's ELBO estimate under the same
+masks."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import lm_eval
+import pytest
+import torch
+from datasets import Dataset
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+
+from trl_diffusion import DiffusionGenerationConfig, generate
+from trl_diffusion.cli import main
+from trl_diffusion.evaluation import evaluate_task
+from trl_diffusion.harness import DiffusionLM
+from trl_diffusion.likelihood import elbo_terms
+from trl_diffusion.masking import sample_masks
+from trl_diffusion.tasks import TASKS, Task
+
+DATA = Path(__file__).parent / "data"
+GENERATE_TASK, CHOICE_TASK = "trl_diffusion_tiny_generate", "trl_diffusion_tiny_choice"
+STOP = "W"  # the `until` of tiny_generate.yaml
+SAMPLER = dict(max_completion_length=16, block_length=8, diffusion_steps=8)
+ROWS = [json.loads(line) for line in (DATA / "tiny_qa.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def in_data_dir(monkeypatch):
+    """The YAML files name their JSONL file relative to the working directory."""
+    monkeypatch.chdir(DATA)
+
+
+def run_harness(lm, tasks):
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False),  # only the two test tasks: fast
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+
+
+def tiny_qa_task() -> Task:
+    """tiny_qa.jsonl's questions as a package task with string prompts, scored by nothing (the completions are
+    compared)."""
+    return Task(
+        name="tiny_qa",
+        description="tests/data/tiny_qa.jsonl",
+        loader=None,
+        reward_funcs=(),
+        accuracy_func=lambda completions, **kwargs: [0.0] * len(completions),
+        metric_class=TASKS["countdown"].metric_class,
+        reference_columns=(),
+        max_completion_length=16,
+        block_length=8,
+    )
+
+
+def test_generate_until_equals_evaluate_task(tiny_llada_dir, in_data_dir):
+    """The harness task's generations are `evaluate_task`'s completions of the same prompts with the same sampler
+    (another batch size), cut before the task's stop sequence."""
+    lm = DiffusionLM(tiny_llada_dir, batch_size=4, device="cpu", **SAMPLER)
+    samples = run_harness(lm, [GENERATE_TASK])["samples"][GENERATE_TASK]
+    prompts = [row["question"] for row in ROWS]
+    assert [sample["arguments"][0][0] for sample in samples] == prompts
+
+    direct = evaluate_task(
+        lm.model,
+        lm.tokenizer,
+        tiny_qa_task(),
+        dataset=Dataset.from_dict({"prompt": prompts}),
+        generation_config=DiffusionGenerationConfig(**SAMPLER),
+        batch_size=5,
+        progress_bar=False,
+    )
+    completions = [record["completion"] for record in direct["records"]]
+    assert sum(STOP in completion for completion in completions) >= 2  # the cut is exercised
+    assert len(set(completions)) > 2  # the prompts matter
+    assert [sample["resps"][0][0] for sample in samples] == [completion.split(STOP)[0] for completion in completions]
+
+
+def test_loglikelihood_equals_the_package_elbo(tiny_llada_dir, in_data_dir):
+    """Each choice's log-likelihood is the mean of `elbo_terms` under `sample_masks`' stratified masks of its mask
+    seed, computed alone; the harness batched requests of equal continuation length with left-padded contexts."""
+    lm = DiffusionLM(tiny_llada_dir, batch_size=5, num_mc_samples=6, device="cpu", **SAMPLER)
+    samples = run_harness(lm, [CHOICE_TASK])["samples"][CHOICE_TASK]
+    assert len(samples) == len(ROWS)
+    for sample in samples:
+        for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            prompt = torch.tensor([context_ids])
+            completion = torch.tensor([continuation_ids])
+            region = torch.ones_like(completion, dtype=torch.bool)
+            seeds = torch.tensor([lm.mask_seed(context_ids, continuation_ids)])
+            plan = sample_masks("stratified", region, seeds, 0, 6)
+            expected = elbo_terms(lm.model, lm.adapter, prompt, torch.ones_like(prompt), completion, plan).mean()
+            log_likelihood, is_greedy = response[0]
+            assert log_likelihood == pytest.approx(expected.item(), rel=1e-5)
+            assert log_likelihood < 0 and is_greedy is False
+    # The harness puts a space before each choice: " 8" and " 1, not 8", continuations of 2 and 9 tokens.
+    assert {len(lm._encode_pair(*arguments)[1]) for sample in samples for arguments in sample["arguments"]} == {2, 9}
+
+
+def test_greedy_check_is_the_one_token_per_step_decoding(tiny_llada, tiny_tokenizer):
+    lm = DiffusionLM(tiny_llada, tokenizer=tiny_tokenizer, check_greedy=True, num_mc_samples=2, device="cpu")
+    context = lm.tok_encode("Largest of 3 8 1 6 4?")
+    config = DiffusionGenerationConfig(max_completion_length=3, block_length=3, diffusion_steps=3)
+    greedy = generate(tiny_llada, torch.tensor([context]), generation_config=config, adapter=lm.adapter)
+    decoded = greedy.completion_ids[0].tolist()
+    other = [decoded[0], decoded[1], (decoded[2] + 1) % len(tiny_tokenizer)]
+    results = lm._loglikelihood_tokens([(("", ""), context, decoded), (("", ""), context, other)])
+    assert [is_greedy for _, is_greedy in results] == [True, False]
+
+
+def test_sampling_does_not_depend_on_the_batch(tiny_llada, tiny_tokenizer):
+    """At a positive temperature each row draws from its own generator, keyed by its context: the same texts at any
+    batch size; a repeated request (`repeats`) samples afresh."""
+    requests = [
+        Instance("generate_until", {}, (row["question"], {"until": []}), index) for index, row in enumerate(ROWS)
+    ]
+    requests.append(Instance("generate_until", {}, requests[0].args, len(ROWS)))
+    texts = []
+    for batch_size in (1, 7):
+        lm = DiffusionLM(tiny_llada, tokenizer=tiny_tokenizer, batch_size=batch_size, temperature=1.0, **SAMPLER)
+        texts.append(lm.generate_until(requests, disable_tqdm=True))
+    assert texts[0] == texts[1]
+    assert texts[0][0] != texts[0][-1]
+
+
+def test_refusals_and_renamed_arguments(tiny_llada, tiny_tokenizer):
+    model = dict(pretrained=tiny_llada, tokenizer=tiny_tokenizer)
+    with pytest.raises(NotImplementedError, match="lower bound"):
+        DiffusionLM(**model).loglikelihood_rolling([])
+    with pytest.raises(TypeError, match="`mc_num` is LLaDA's eval_llada.py name: pass `num_mc_samples`"):
+        DiffusionLM(**model, mc_num=4)
+    with pytest.raises(TypeError, match="'gen_lenght'.*the sampler's fields: max_completion_length"):
+        DiffusionLM(**model, gen_lenght=16)
+    with pytest.raises(ValueError, match="fixed batch size"):
+        DiffusionLM(**model, batch_size="auto")
+    with pytest.raises(ValueError, match="pass its `tokenizer`"):
+        DiffusionLM(tiny_llada)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm = DiffusionLM(**model, gen_length=16, steps=8, block_length=8)
+    assert (lm.generation_config.max_completion_length, lm.generation_config.diffusion_steps) == (16, 8)
+    assert any("renamed `max_completion_length`" in str(warning.message) for warning in caught)
+
+
+def test_command_line_registers_the_model(tiny_llada_dir, in_data_dir, tmp_path):
+    """`trl-diffusion lm-eval` is the harness's command line with `--model trl_diffusion`: the same numbers as
+    `simple_evaluate` in Python."""
+    model_args = f"pretrained={tiny_llada_dir},max_completion_length=16,block_length=8,diffusion_steps=8"
+    model_args += ",num_mc_samples=4"
+    argv = ["lm-eval", "--model_args", model_args, "--tasks", GENERATE_TASK, CHOICE_TASK, "--include_path", "."]
+    argv += ["--device", "cpu", "--batch_size", "3", "--output_path", str(tmp_path)]
+    assert main(argv) == 0
+    (results_file,) = tmp_path.rglob("results_*.json")
+    from_cli = json.loads(results_file.read_text())["results"]
+
+    lm = DiffusionLM(tiny_llada_dir, batch_size=3, num_mc_samples=4, device="cpu", **SAMPLER)
+    direct = run_harness(lm, [GENERATE_TASK, CHOICE_TASK])["results"]
+    for task, metric in ((GENERATE_TASK, "exact_match,none"), (CHOICE_TASK, "acc,none")):
+        assert from_cli[task][metric] == direct[task][metric]
