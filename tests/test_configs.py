@@ -20,6 +20,7 @@ from trl_diffusion.trainer import (
     JustGRPOConfig,
     LFPOConfig,
     SequenceELBOConfig,
+    SPGConfig,
     VRPOConfig,
     WD1Config,
 )
@@ -139,6 +140,27 @@ SPECS = {
             beta=0.0,
         ),
         values={"just_grpo_positions_per_forward": 4},
+    ),
+    # SPG: REINFORCE on the sandwich, 2 block-wise views, per-token bounds of the answer, A = r - mean(r); no KL.
+    SPGConfig: Spec(
+        parent=SequenceELBOConfig,
+        changes=frozenset({"negative_bound", "eubo_beta", "eubo_mix_weight", "mask_sampler", "num_mc_samples"})
+        | {"elbo_region", "length_norm", "scale_rewards", "temperature", "learning_rate"},
+        defaults=dict(
+            negative_bound="mix",
+            eubo_beta=1.5,
+            eubo_mix_weight=0.5,
+            mask_sampler="block",
+            num_mc_samples=2,
+            elbo_region="answer",
+            length_norm="answer",
+            scale_rewards="none",
+            temperature=0.9,
+            learning_rate=3e-6,
+            beta=0.0,
+            clip_sequence_ratio=False,
+        ),
+        values={"eubo_beta": 2.0, "eubo_mix_weight": 0.25, "elbo_region": "canvas"},
     ),
     VRPOConfig: Spec(
         parent=SequenceELBOConfig,

@@ -27,6 +27,8 @@ from trl_diffusion.trainer import (
     JustGRPOTrainer,
     LFPOConfig,
     LFPOTrainer,
+    SPGConfig,
+    SPGTrainer,
     VRPOConfig,
     VRPOTrainer,
     WD1Config,
@@ -47,11 +49,12 @@ from helpers import (
 # ---------------------------------------------------------------------------------------------- shared helpers
 
 # name -> (config class, trainer class), from the command line's registry.
-TRAINERS = {name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "coupled_grpo", "wd1", "just_grpo")}
+TRAINERS = {name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "coupled_grpo", "wd1", "just_grpo", "spg")
+}
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
 LEFT_TO_RIGHT = dict(block_length=1, diffusion_steps=None)
 # Trainers whose objective has no KL term (their configs refuse `beta != 0`): every case runs them with beta 0.
-WITHOUT_KL = {"wd1"}
+WITHOUT_KL = {"wd1", "spg"}
 
 
 def make_args(name: str, output_dir, **overrides):
@@ -117,6 +120,7 @@ TRAINER_KEYS = {
     "diffu_grpo": {"entropy", "clip_ratio/region_mean"},
     "coupled_grpo": {"entropy", "clip_ratio/region_mean"},
     "wd1": {"likelihood/mean"},
+    "spg": {"elbo/mean", "elbo/mean_per_token", "eubo/mean_per_token", "sandwich/gap"},
     "just_grpo": {"entropy", "clip_ratio/region_mean", "log_likelihood/mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
@@ -241,6 +245,7 @@ class StepCounter(TrainerCallback):
         ("coupled_grpo", False),
         ("wd1", True),
         ("just_grpo", False),
+        ("spg", True),
     ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
@@ -282,6 +287,7 @@ ROUND_CASES = {
     "vrpo": (VRPOConfig, VRPOTrainer, dict(steps_per_generation=2)),
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
     "lfpo": (LFPOConfig, LFPOTrainer, dict(num_iterations=2, lfpo_num_states=2)),
+    "spg": (SPGConfig, SPGTrainer, dict(num_iterations=2)),
 }
 
 
@@ -355,7 +361,8 @@ def test_unscored_rows_get_zero_advantage(name, tiny_llada_dir, tmp_path):
     unscored_masks = []
 
     def partial_reward(completions, **kwargs):
-        rewards = [float(sum(map(ord, text)) % 10) for text in completion_texts(completions)]
+        # Content-dependent, and never tied between the two scored rows of a group (they differ in i % 4).
+        rewards = [i % 4 + sum(map(ord, text)) % 10 / 10 for i, text in enumerate(completion_texts(completions))]
         for i in range(len(rewards)):
             if i % 4 == 1:
                 rewards[i] = float("nan")

@@ -52,6 +52,7 @@ def masked_token_logprobs(
     prompt_mask: torch.Tensor,
     completion_ids: torch.LongTensor,
     masked: torch.BoolTensor,
+    context_masked: torch.BoolTensor | None = None,
 ) -> torch.Tensor:
     """Per-token log p(y_i | x, y with the `masked` positions replaced by the mask token), at the masked positions.
 
@@ -70,12 +71,41 @@ def masked_token_logprobs(
             The completion canvases y.
         masked (`torch.BoolTensor` of shape `(batch, completion_length)`):
             Positions to mask and score.
+        context_masked (`torch.BoolTensor` of shape `(batch, completion_length)`, *optional*):
+            Positions masked in the input but not scored.
 
     Returns:
         `torch.FloatTensor` of shape `(batch, completion_length)`: the log-probs at masked positions, 0 elsewhere.
     """
-    noisy_completion = completion_ids.masked_fill(masked, adapter.mask_token_id)
+    hidden = masked if context_masked is None else masked | context_masked
+    noisy_completion = completion_ids.masked_fill(hidden, adapter.mask_token_id)
     return _scored_logprobs(model, adapter, prompt_ids, prompt_mask, noisy_completion, completion_ids, masked)
+
+
+def view_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    plan: MaskPlan,
+    mc_index: int,
+) -> torch.Tensor:
+    """Per-token log-probs of Monte Carlo view j: `log p(y_i | x, y with M_j and its context masked)` at the
+    positions `M_j` it scores, 0 elsewhere, shape `(batch, completion_length)`; differentiable.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        plan ([`MaskPlan`]):
+            The masks of the rows (a `coupled` plan's complement pass is not part of the view).
+        mc_index (`int`):
+            Which view j.
+    """
+    device = completion_ids.device
+    context = None if plan.context_masks is None else plan.context_masks[:, mc_index].to(device)
+    masks = plan.masks[:, mc_index].to(device)
+    return masked_token_logprobs(model, adapter, prompt_ids, prompt_mask, completion_ids, masks, context)
 
 
 def elbo_term(
@@ -105,9 +135,9 @@ def elbo_term(
         `torch.FloatTensor` of shape `(batch,)`.
     """
     device = completion_ids.device
-    masks = plan.masks[:, mc_index].to(device)
     weights = plan.weights[:, mc_index].to(device, torch.float32)
-    term = weights * masked_token_logprobs(model, adapter, prompt_ids, prompt_mask, completion_ids, masks).sum(-1)
+    logprobs = view_logprobs(model, adapter, prompt_ids, prompt_mask, completion_ids, plan, mc_index)
+    term = weights * logprobs.sum(-1)
     if plan.complement_masks is not None:
         complement = plan.complement_masks[:, mc_index].to(device)
         complement_weights = plan.complement_weights[:, mc_index].to(device, torch.float32)
@@ -145,6 +175,39 @@ def elbo_terms(
         for mc_index in range(plan.num_mc_samples)
     ]
     return torch.stack(terms, dim=1)
+
+
+def eubo_token_mean(logprobs: torch.Tensor, plan: MaskPlan, beta: float) -> torch.Tensor:
+    """SPG's token-normalised evidence upper bound from the per-token log-probs of every view (its Rényi bound):
+
+        U = mean over n in N of  (1 / beta) * log( (1 / m) * sum_j w_j * 1[n in M_j] * p_j(y_n)^beta ),
+
+    N the positions some view scores, m the number of views, `w_j` the plan's weights. For position n the inner mean
+    is an unbiased estimate of `E_ctx[p(y_n | ctx)^beta]` over the ELBO's distribution of contexts that mask n
+    (for the `stratified`, `uniform_t`, `stratified_t` and `block` samplers, the weight undoes the probability
+    that the view scores n), so `U` estimates `EUBO / |N|` (the log of a mean is biased low; see
+    docs/trainers/spg.md). Computed in log space; a row with no scored position gives 0, still in the graph.
+
+    Args:
+        logprobs (`torch.Tensor` of shape `(batch, num_mc_samples, completion_length)`):
+            [`view_logprobs`] of every view (0 where a view does not score).
+        plan ([`MaskPlan`]):
+            The views' masks and weights.
+        beta (`float`):
+            The bound's order, at least 1 (higher: looser, and an upper bound for more models).
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch,)`.
+    """
+    scored = plan.masks.to(logprobs.device)
+    log_weights = plan.weights.to(logprobs.device, torch.float32).clamp(min=1e-30).log().unsqueeze(-1)
+    any_scored = scored.any(dim=1)
+    # Entries no view scores are -inf inside a scored position's sum, 0 elsewhere: no NaN in the softmax gradient.
+    filler = torch.where(any_scored, -math.inf, 0.0).unsqueeze(1).expand_as(logprobs)
+    log_terms = torch.where(scored, log_weights + beta * logprobs, filler)
+    per_token = (torch.logsumexp(log_terms, dim=1) - math.log(scored.shape[1])) / beta
+    per_token = per_token * any_scored
+    return per_token.sum(-1) / any_scored.sum(-1).clamp(min=1)
 
 
 def mean_field_logprobs(

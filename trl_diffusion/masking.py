@@ -22,7 +22,7 @@ QUADRATURE_RULES = {
     "gauss_2": ((0.5 - 0.5 / math.sqrt(3.0), 0.5 + 0.5 / math.sqrt(3.0)), (0.5, 0.5)),
     "gauss_3": ((0.5 - 0.5 * math.sqrt(0.6), 0.5, 0.5 + 0.5 * math.sqrt(0.6)), (5 / 18, 8 / 18, 5 / 18)),
 }
-SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t", *QUADRATURE_RULES)
+SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t", *QUADRATURE_RULES, "block")
 ELBO_REGIONS = ("canvas", "answer")
 LENGTH_NORMS = ("none", "canvas", "answer")
 
@@ -227,12 +227,15 @@ class MaskPlan:
             `coupled` only: the region positions each first pass left visible.
         complement_weights (`torch.FloatTensor`, *optional*):
             `coupled` only: weight of the complement pass.
+        context_masks (`torch.BoolTensor`, *optional*):
+            `block` only: completion positions masked in the input but not scored (the blocks after the scored one).
     """
 
     masks: torch.BoolTensor
     weights: torch.Tensor
     complement_masks: torch.BoolTensor | None = None
     complement_weights: torch.Tensor | None = None
+    context_masks: torch.BoolTensor | None = None
 
     @property
     def num_mc_samples(self) -> int:
@@ -251,6 +254,49 @@ def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, gen
     return stratified_timesteps(num_mc_samples, float(uniforms[0]), eps)
 
 
+def block_views(
+    positions: torch.LongTensor, block_length: int, num_mc_samples: int, seed: int, iteration: int
+) -> list[tuple[torch.LongTensor, torch.LongTensor, float]]:
+    """The `block` sampler's views of one completion (SPG's block-wise masking, with the scored block applied).
+
+    The completion is cut into blocks of `block_length` positions from its first position (the semi-autoregressive
+    sampler's blocks); the K blocks holding region positions are the content blocks. View j picks content block
+    `b_j = (offset + floor(j * K / num_mc_samples)) mod K` (one `offset ~ U{0..K-1}` per completion, so each view's
+    block is marginally uniform and the views cover distinct blocks while `num_mc_samples <= K`), masks a uniformly
+    random subset of `l ~ U{1..n_b}` of the block's n_b region positions, leaves the earlier blocks clean and masks
+    the region positions of the later blocks as context (masked, not scored). Its weight `K * n_b / l` makes
+    `weight * S(scored)` an unbiased estimate of the block ELBO `sum_b B_b`, where `B_b` is the ELBO of block b
+    given the clean earlier blocks and the masked later ones: the bound on the log-likelihood of block-by-block
+    decoding. With one block (`block_length` at least the completion) it is the `stratified` sampler's law.
+
+    Args:
+        positions (`torch.LongTensor` of shape `(n,)`):
+            The completion's region positions, increasing, n at least 1.
+        block_length (`int`):
+            Positions per block.
+        num_mc_samples (`int`):
+            Number of views.
+        seed (`int`), iteration (`int`):
+            The completion's mask seed and the inner iteration.
+
+    Returns:
+        One `(scored, context, weight)` per view: the scored positions, the context positions and the weight.
+    """
+    blocks = torch.div(positions, block_length, rounding_mode="floor")
+    content_blocks = torch.unique(blocks)
+    num_blocks = content_blocks.numel()
+    offset = int(torch.randint(num_blocks, (), generator=keyed_generator(seed, iteration, MASK_COMPLETION)))
+    views = []
+    for mc_index in range(num_mc_samples):
+        block = content_blocks[(offset + mc_index * num_blocks // num_mc_samples) % num_blocks]
+        in_block = positions[blocks == block]
+        generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index)
+        size = 1 + int(torch.randint(in_block.numel(), (), generator=generator))
+        scored = in_block[torch.randperm(in_block.numel(), generator=generator)[:size]]
+        views.append((scored, positions[blocks > block], num_blocks * in_block.numel() / size))
+    return views
+
+
 def sample_masks(
     sampler: str,
     region: torch.BoolTensor,
@@ -258,6 +304,7 @@ def sample_masks(
     iteration: int,
     num_mc_samples: int,
     eps: float = 1e-3,
+    block_length: int | None = None,
 ) -> MaskPlan:
     """Draws the Monte Carlo masks of every row, deterministically from (row seed, iteration, Monte Carlo index).
 
@@ -270,6 +317,8 @@ def sample_masks(
       masking, weight 1 / t_j.
     - `gauss_2`, `gauss_3`: GDPO's quadrature ([`quadrature_draws`]): Bernoulli(t_k) masking at the 2 or 3
       Gauss-Legendre nodes t_k, weight K a_k / t_k; `num_mc_samples` a multiple of the nodes.
+    - `block`: SPG's block-wise masking ([`block_views`]): one block scored per term, the earlier blocks clean, the
+      later ones masked as context, weight `K * n_b / l`; needs `block_length`.
 
     Args:
         sampler (`str`):
@@ -284,6 +333,8 @@ def sample_masks(
             Number of Monte Carlo terms n_t per row.
         eps (`float`, *optional*, defaults to `1e-3`):
             Smallest timestep of `uniform_t` and `stratified_t` (the weight 1/t has infinite variance at 0).
+        block_length (`int`, *optional*):
+            `block` only: positions per block, counted from the first completion position.
 
     Returns:
         [`MaskPlan`] on the device of `region`.
@@ -296,6 +347,8 @@ def sample_masks(
         raise ValueError(f"eps must lie in (0, 1), got {eps}.")
     if seeds.shape != region.shape[:1]:
         raise ValueError(f"seeds must have shape ({region.shape[0]},), got {tuple(seeds.shape)}.")
+    if sampler == "block" and (block_length is None or block_length < 1):
+        raise ValueError(f"The `block` sampler needs a positive `block_length`, got {block_length!r}.")
 
     region_cpu = region.detach().to("cpu", torch.bool)
     batch_size, completion_length = region_cpu.shape
@@ -303,6 +356,7 @@ def sample_masks(
     # float32 like the log-probs they scale (and usable on devices without float64).
     weights = torch.zeros(batch_size, num_mc_samples, dtype=torch.float32)
     complement_weights = torch.zeros_like(weights)
+    context_masks = torch.zeros_like(masks) if sampler == "block" else None
     by_count = sampler in ("stratified", "coupled")
 
     for row, seed in enumerate(seeds.tolist()):
@@ -310,6 +364,14 @@ def sample_masks(
         n = positions.numel()
         if n == 0:
             continue  # nothing to score: every term is 0, and its forward pass still runs
+        if sampler == "block":
+            for mc_index, (scored, context, weight) in enumerate(
+                block_views(positions, block_length, num_mc_samples, seed, iteration)
+            ):
+                masks[row, mc_index, scored] = True
+                context_masks[row, mc_index, context] = True
+                weights[row, mc_index] = weight
+            continue
         if sampler in QUADRATURE_RULES:
             draws, quadrature_weights = zip(*quadrature_draws(sampler, num_mc_samples))
         else:
@@ -329,6 +391,8 @@ def sample_masks(
                 weights[row, mc_index], complement_weights[row, mc_index] = term_weights(sampler, n, draw)
 
     device = region.device
+    if sampler == "block":
+        return MaskPlan(masks=masks.to(device), weights=weights.to(device), context_masks=context_masks.to(device))
     if sampler != "coupled":
         return MaskPlan(masks=masks.to(device), weights=weights.to(device))
     complement_masks = region_cpu.unsqueeze(1) & ~masks

@@ -39,6 +39,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "lfpo_trainer.LFPOTrainer",
         "LFPO: likelihood-free contrastive logits on trajectory states",
     ),
+    "spg": (
+        "spg_config.SPGConfig",
+        "spg_trainer.SPGTrainer",
+        "SPG: REINFORCE on an ELBO (positive advantages) and an EUBO mixture (negative ones), block-wise masks",
+    ),
     "wd1": (
         "wd1_config.WD1Config",
         "wd1_trainer.WD1Trainer",

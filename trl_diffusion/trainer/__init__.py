@@ -18,6 +18,8 @@ from .lfpo_config import LFPOConfig, lfpo_inference_config
 from .lfpo_trainer import LFPOTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 from .sequence_elbo_trainer import SequenceELBOTrainer
+from .spg_config import SPGConfig
+from .spg_trainer import SPGTrainer
 from .sft_config import DiffusionSFTConfig
 from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
 from .token_loss_trainer import TokenLossTrainer
@@ -43,6 +45,8 @@ __all__ = [
     "LFPOTrainer",
     "SequenceELBOConfig",
     "SequenceELBOTrainer",
+    "SPGConfig",
+    "SPGTrainer",
     "TokenLossTrainer",
     "VRPOConfig",
     "VRPOTrainer",

@@ -20,7 +20,9 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
         mask_sampler (`str`, *optional*, defaults to `"stratified"`):
             How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t`, `stratified_t`, or GDPO's
             semi-deterministic quadrature over the masking rate, `gauss_2` / `gauss_3` (2 or 3 Gauss-Legendre nodes,
-            `num_mc_samples` a multiple of them; biased, see docs/likelihood.md).
+            `num_mc_samples` a multiple of them; biased, see docs/likelihood.md), or SPG's block-wise masking,
+            `block` (one block of `block_length` scored per sample, earlier blocks clean, later ones masked: the
+            ELBO of block-by-block decoding).
         elbo_region (`str`, *optional*, defaults to `"canvas"`):
             Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
             including the first terminator).

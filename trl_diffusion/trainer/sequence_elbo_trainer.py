@@ -42,6 +42,7 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
             iteration,
             self.args.num_mc_samples,
             self.args.timestep_eps,
+            self.args.block_length,
         )
 
     def elbo_normaliser(self, inputs: dict) -> torch.Tensor:

@@ -1,0 +1,114 @@
+import textwrap
+
+import torch
+
+from ..likelihood import eubo_token_mean, view_logprobs
+from ..masking import length_normaliser
+from .sequence_elbo_trainer import SequenceELBOTrainer
+from .spg_config import SPGConfig
+
+
+class SPGTrainer(SequenceELBOTrainer):
+    r"""SPG: Sandwiched Policy Gradient for masked diffusion language models.
+
+    REINFORCE on likelihood bounds: a completion with advantage `A >= 0` pushes up a lower bound of its
+    log-likelihood, one with `A < 0` pushes down an upper bound (or a mixture), so that the surrogate stays below the
+    true objective on both sides. Per completion, m Monte Carlo views (`num_mc_samples`, the `block` sampler by
+    default: one block scored, the earlier blocks clean, the later ones masked) give, in one forward per view,
+
+    - the lower bound `E = (1 / N) * mean_j w_j * S(M_j)`: the package's ELBO estimate (`elbo_terms`) over the
+      answer length N;
+    - the upper bound `U = mean_{n in N} (1 / beta) * log(mean_j w_j * 1[n in M_j] * p_j(y_n)^beta)`
+      ([`~likelihood.eubo_token_mean`], `eubo_beta`);
+    - for `A < 0` the proxy `omega * U + (1 - omega) * E` (`negative_bound="mix"`, `eubo_mix_weight`), `U`, `E`
+      or nothing.
+
+    The loss of a rollout batch is `-sum_i A_i * P_i * |C_i| / sum_i |C_i|`, with `P_i` the proxy and `|C_i|` the
+    answer length (SPG's length weighting), and `A = r - mean(r)`; no ratio, clipping, KL or reference model.
+
+    What it changes w.r.t. [`SequenceELBOTrainer`]: `_score_rollouts` computes, once per rollout batch, each row's
+    length weight `|C_i| / mean |C|` over every process's rows (so the loss does not depend on how a batch is split
+    into micro-batches and processes; SPG's code normalises each micro-batch by its own length sum) instead of old
+    and reference terms; `_compute_loss` is the objective. The views stay in one graph until the backward (the upper
+    bound's log-mean couples them), so activation memory grows with `num_mc_samples`, as VRPO's. With
+    `num_iterations > 1` the rollouts are reused without an importance ratio (SPG's recipe: 4).
+
+    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`SPGConfig`].
+
+    Example:
+
+    ```python
+    from peft import LoraConfig
+    from trl_diffusion import SPGConfig, SPGTrainer
+
+    trainer = SPGTrainer(
+        model="GSAI-ML/LLaDA-8B-Instruct",
+        reward_funcs=my_reward,
+        args=SPGConfig(output_dir="llada-spg", num_iterations=4, num_generations=6, eubo_beta=1.5),
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
+    )
+    trainer.train()
+    ```
+    """
+
+    config_class = SPGConfig
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "spg"]
+    _name = "SPG"
+    _paper = {
+        "title": "SPG: Sandwiched Policy Gradient for Masked Diffusion Language Models",
+        "id": "2510.09541",
+        "citation": textwrap.dedent("""\
+            @article{wang2025spg,
+                title        = {{SPG: Sandwiched Policy Gradient for Masked Diffusion Language Models}},
+                author       = {Chenyu Wang and Paria Rashidinejad and DiJia Su and Song Jiang and Sid Wang and Siyan Zhao and Cai Zhou and Shannon Zejiang Shen and Feiyu Chen and Tommi Jaakkola and Yuandong Tian and Bo Liu},
+                year         = 2025,
+                eprint       = {arXiv:2510.09541},
+            }"""),
+    }
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        """Each row's length weight `|C_i| / mean |C|`, the mean over the counted rows of every process."""
+        canvas = inputs["completion_canvas"]
+        lengths = length_normaliser(canvas, self.adapter.terminator_ids, "answer").to(canvas.device)
+        lengths = lengths * self.completion_weights(inputs)
+        gathered = self.accelerator.gather(lengths)
+        counted = gathered[gathered > 0]
+        mean_length = counted.mean() if counted.numel() else gathered.new_ones(())
+        return {"spg_length_weights": lengths / mean_length}
+
+    def sandwich_bounds(self, model, inputs: dict, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(E, U)` of every row under inner iteration `iteration`'s views: the per-token lower bound
+        `mean_j w_j S(M_j) / N` (the package's ELBO estimate over `elbo_normaliser`) and the per-token upper bound,
+        each `(batch,)` in float32 with gradients."""
+        plan = self.mask_plan(inputs, iteration)
+        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        with self.accelerator.autocast():
+            logprobs = torch.stack(
+                [
+                    view_logprobs(model, self.adapter, prompt_ids, prompt_mask, canvas, plan, mc_index)
+                    for mc_index in range(plan.num_mc_samples)
+                ],
+                dim=1,
+            ).float()
+        elbo = (plan.weights.to(logprobs.device) * logprobs.sum(-1)).mean(dim=1)
+        lower = elbo / self.elbo_normaliser(inputs)
+        return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        advantages = inputs["advantages"]
+        lower, upper = self.sandwich_bounds(model, inputs, inputs["inner_iteration"])
+        if self.args.negative_bound == "none":
+            negative = torch.zeros_like(lower)
+        else:
+            omega = {"mix": self.args.eubo_mix_weight, "eubo": 1.0, "elbo": 0.0}[self.args.negative_bound]
+            negative = omega * upper + (1.0 - omega) * lower
+        proxy = torch.where(advantages >= 0, lower, negative)
+        per_completion = -advantages * proxy * inputs["spg_length_weights"]
+        metrics = self._metrics[mode]
+        bounds = self.accelerator.gather(torch.stack([lower.detach(), upper.detach()], dim=1))
+        metrics["elbo/mean_per_token"].append(bounds[:, 0].mean().item())
+        metrics["eubo/mean_per_token"].append(bounds[:, 1].mean().item())
+        metrics["sandwich/gap"].append((bounds[:, 1] - bounds[:, 0]).mean().item())
+        return self.micro_batch_loss(inputs, per_completion, lower * self.elbo_normaliser(inputs), mode)
