@@ -34,9 +34,12 @@ class EvalScriptArguments:
 
     Args:
         model (`str`):
-            Path or Hub id of the model: a full checkpoint or a PEFT adapter directory (its base model is loaded too).
+            Path or Hub id of the model: a full checkpoint or a PEFT adapter directory (evaluated on its base model,
+            unmerged).
         task (`str`):
             Built-in task name.
+        base_model (`str`, *optional*):
+            Base model of a PEFT adapter, overriding the `base_model_name_or_path` of its `adapter_config.json`.
         split (`str`, *optional*, defaults to `"test"`):
             Split evaluated.
         num_examples (`int`, *optional*, defaults to `200`):
@@ -59,6 +62,10 @@ class EvalScriptArguments:
 
     model: str = field(metadata={"help": "Path or Hub id of the model (a checkpoint or a PEFT adapter directory)."})
     task: str = field(metadata={"help": "Built-in task name (e.g. countdown, sudoku, gsm8k)."})
+    base_model: str | None = field(
+        default=None,
+        metadata={"help": "Base model of a PEFT adapter `--model` (default: its adapter_config.json's)."},
+    )
     split: str = field(default="test", metadata={"help": "Split evaluated."})
     num_examples: int = field(
         default=200, metadata={"help": "Examples evaluated (the first of the split); 0 or less for all."}
@@ -121,19 +128,20 @@ def _json_safe(value):
 def main(argv: list[str] | None = None) -> int:
     """Runs `trl-diffusion eval ARGV` (default: `sys.argv[1:]`). Returns the exit status."""
     from accelerate import PartialState
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..evaluation import evaluate_task
-    from ..validation import check_model_path, check_tokenizer_files
+    from ..evaluation import evaluate_task, load_for_evaluation
 
     args, generation_config, task = parse_args(list(sys.argv[1:] if argv is None else argv))
     state = PartialState(cpu=args.use_cpu)
-    check_model_path(args.model, "--model")
-    check_tokenizer_files(args.model, "--model")
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code
-    ).to(state.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_for_evaluation(
+        args.model,
+        base_model=args.base_model,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        argument="--model",
+        base_argument="--base_model",
+    )
+    model = model.to(state.device)
     results = evaluate_task(
         model,
         tokenizer,
