@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         median_run = sorted(runs, key=lambda run: run["improvement_points"])[(len(runs) - 1) // 2]
         args.output_dir.mkdir(parents=True, exist_ok=True)
         curve_path = args.output_dir / f"{args.name}_median_curve.png"
-        source = Path(median_run["output_dir"]) / "reward_curve.png"
+        source = Path(median_run["output_dir"]) / "plots" / "reward.png"
         if source.exists():
             shutil.copyfile(source, curve_path)
     statistics_ = {

@@ -48,7 +48,8 @@ def test_demo_runs_end_to_end_and_its_model_reloads(tmp_path, capsys, monkeypatc
     assert summary["accuracy_after_sft"] == sft_right / NUM_EVAL_EXAMPLES
     assert summary["accuracy_after_bgpo"] == hand_count(tmp_path / "model") / NUM_EVAL_EXAMPLES
     assert summary["accuracy_reloaded"] == summary["accuracy_after_bgpo"]
-    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+    assert all((tmp_path / "plots" / f"{name}.png").stat().st_size > 0 for name in ("reward", "kl", "health"))
+    assert "trl_diffusion.generate" in (tmp_path / "model" / "README.md").read_text()  # the model card
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "model")).__name__ == "LLaDAModelLM"
     # Per-step metrics go to the log files, not to the terminal.
     steps = [json.loads(line) for line in (tmp_path / "logs" / "bgpo.jsonl").read_text().splitlines()]

@@ -8,9 +8,10 @@
 3. Measure held-out accuracy (greedy diffusion decoding on test prompts, disjoint from training).
 4. Train with [`BGPOTrainer`] against the verifiable reward (1 for exactly the largest digit): the reward alone
    decides which of the two habits the policy keeps.
-5. Measure held-out accuracy again, print the before/after table, write the reward curve as a PNG, save the model
-   (loadable with `from_pretrained`), reload it, check the reloaded model scores what was printed, and print the
-   command that pushes it to the Hub.
+5. Measure held-out accuracy again, print the before/after table, draw the training curves (reward, KL, loss and
+   BGPO's health metrics, as `trl-diffusion plot` does) as PNGs, save the model (loadable with `from_pretrained`,
+   with its model card), reload it, check the reloaded model scores what was printed, and print the command that
+   pushes it to the Hub.
 
 The terminal shows one progress bar per stage and the results; every log line (the trainers' per-step metrics,
 warnings) goes to `output_dir/logs/`. Run it with `trl-diffusion demo` or `python -m trl_diffusion.demo`.
@@ -40,6 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, P
 from .evaluation import evaluate_task
 from .generation import DiffusionGenerationConfig
 from .models import build_tiny_llada, build_tiny_tokenizer
+from .plotting import plot_training_curves
 from .tasks import get_task
 from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
 
@@ -198,27 +200,6 @@ def greedy_config(task) -> DiffusionGenerationConfig:
     )
 
 
-def reward_curve(log_history: list[dict], path: Path) -> None:
-    """Plots the mean training reward (the fraction of rollouts that were right) against the optimiser step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = [(entry["step"], entry["reward"]) for entry in log_history if "reward" in entry]
-    steps, rewards = zip(*points)
-    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=120)
-    axis.plot(steps, rewards, color="tab:blue", linewidth=1.2)
-    axis.set_xlabel("BGPO optimiser step")
-    axis.set_ylabel("mean reward of the rollouts")
-    axis.set_ylim(0, 1)
-    axis.set_title("trl-diffusion demo: BGPO on largest_digit (tiny LLaDA, CPU)")
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
 def push_command(model_dir: Path) -> str:
     """The `hf upload` command for the trained model, with the `hf` of this environment (on PATH only when its
     virtual environment is activated) and a placeholder that is not shell syntax."""
@@ -261,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     if not has_matplotlib:
-        print("matplotlib is not installed (pip install 'trl_diffusion[plots]'): the reward curve will be skipped.")
+        print("matplotlib is not installed (pip install 'trl_diffusion[plots]'): the training curves will be skipped.")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.num_threads)
     try:
@@ -344,14 +325,15 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
     )
     quiet_trainer(bgpo, "[4/5] BGPO", output_dir / "logs" / "bgpo.jsonl")
     bgpo.train()
+    bgpo.save_state()  # its trainer_state.json: the logs `trl-diffusion plot` draws
     final_dir = output_dir / "model"
     bgpo.save_model(str(final_dir))
     after = held_out_accuracy(bgpo.model)
     print(f"[4/5] BGPO: {args.rl_steps} steps, {rl_args.num_mc_samples} Monte Carlo samples each: {final_dir}")
 
-    plot = output_dir / "reward_curve.png"
+    curves_dir = output_dir / "plots"
     if has_matplotlib:
-        reward_curve(bgpo.state.log_history, plot)
+        curves = plot_training_curves(rl_args.output_dir, curves_dir, title="demo BGPO")
     reloaded = AutoModelForCausalLM.from_pretrained(final_dir)
     reloaded_accuracy = held_out_accuracy(reloaded)
     AutoTokenizer.from_pretrained(final_dir)  # the saved directory is complete: tokenizer included
@@ -365,7 +347,7 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
         print(f"  {name:<22}{value:>10.1%}")
     print(f"  improvement: {improvement:+.1f} points, in {elapsed / 60:.1f} minutes")
     if has_matplotlib:
-        print(f"\nReward curve: {plot}")
+        print(f"\nTraining curves: {curves_dir} ({', '.join(path.name for path in curves.values())})")
     print(f"Model: {final_dir} (AutoModelForCausalLM.from_pretrained, after `import trl_diffusion`)")
     print(f"Logs: {output_dir / 'logs'}")
     print("To push the model to the Hub, log in once (`hf auth login`, or set HF_TOKEN), then run:")
