@@ -528,6 +528,7 @@ EXAMPLES = {
     "coupled_grpo_code": "coupled_grpo",
     "wd1_sudoku": "wd1",
     "just_grpo_gsm8k": "just_grpo",
+    "spg_countdown": "spg",
 }
 
 
@@ -581,6 +582,16 @@ def test_wd1_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--load_in_4bit", "false"]
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("wd1", module.RECIPE, argv) == 0
+    assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_spg_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """SPG's recipe (LoRA, mu = 4, block-wise views, no KL) on a tiny model, its base in float32 instead of 4-bit."""
+    module = load_example("spg_countdown")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--load_in_4bit", "false"]
+    argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
+    assert run_recipe("spg", module.RECIPE, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
 
 
