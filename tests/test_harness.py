@@ -168,3 +168,47 @@ def test_command_line_registers_the_model(tiny_llada_dir, in_data_dir, tmp_path)
     direct = run_harness(lm, [GENERATE_TASK, CHOICE_TASK])["results"]
     for task, metric in ((GENERATE_TASK, "exact_match,none"), (CHOICE_TASK, "acc,none")):
         assert from_cli[task][metric] == direct[task][metric]
+
+
+@pytest.mark.slow  # two processes that each import torch, transformers and the harness: about 25 s on 2 cores
+def test_two_processes_under_accelerate_launch_equal_one(tiny_llada_dir, tmp_path):
+    """`accelerate launch` with two CPU processes: the harness splits the requests by `rank` / `world_size` (3 of
+    the 6 documents each) and gathers the samples, which equal one process's, sampling at temperature 1 included
+    (each row's generator is keyed by its context, not by its process or batch)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model_args = f"pretrained={tiny_llada_dir},max_completion_length=16,block_length=8,diffusion_steps=8"
+    model_args += ",num_mc_samples=4,temperature=1.0"
+    harness = ["lm-eval", "--model_args", model_args, "--tasks", GENERATE_TASK, CHOICE_TASK, "--include_path", "."]
+    harness += ["--device", "cpu", "--batch_size", "2", "--log_samples"]
+    accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file"]
+    accelerate += [str(Path(__file__).parents[1] / "trl_diffusion" / "accelerate_configs" / "multi_gpu.yaml")]
+    accelerate += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port)]
+    commands = {
+        "one": [sys.executable, "-m", "trl_diffusion", *harness],
+        "two": [*accelerate, "-m", "trl_diffusion", *harness],
+    }
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    samples = {}
+    for name, command in commands.items():
+        output = tmp_path / name
+        process = subprocess.run(
+            [*command, "--output_path", str(output)], cwd=DATA, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert process.returncode == 0, process.stderr[-4000:]
+        samples[name] = {
+            path.name.removeprefix("samples_").rsplit("_", 1)[0]: sorted(
+                (record["doc_id"], record["resps"]) for record in map(json.loads, path.read_text().splitlines())
+            )
+            for path in output.rglob("samples_*.jsonl")
+        }
+        if name == "two":
+            assert "Generating: 100%|██████████| 3/3" in process.stderr  # each process generated 3 of the 6
+    assert len(samples["one"]) == 2 and all(len(records) == len(ROWS) for records in samples["one"].values())
+    assert samples["two"] == samples["one"]

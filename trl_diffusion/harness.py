@@ -165,7 +165,9 @@ class DiffusionLM(TemplateLM):
 
         from accelerate import PartialState
 
-        self._state = PartialState()
+        # On the CPU, processes launched together join one gloo group only when the state is told so.
+        on_cpu = not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu")
+        self._state = PartialState(cpu=on_cpu)
         if self._state.num_processes > 1:
             self._rank, self._world_size = self._state.process_index, self._state.num_processes
             self._device = self._state.device
