@@ -7,7 +7,7 @@ import types
 import pytest
 
 from trl_diffusion import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
-from trl_diffusion.model_card import base_model_reference
+from trl_diffusion.model_card import base_model_reference, dataset_reference
 
 from helpers import tiny_config, tiny_grpo_config, tiny_trainer
 
@@ -98,3 +98,13 @@ def test_base_model_reference_of_a_local_directory(tmp_path):
     (tmp_path / "my-base").mkdir()
     hub_id, text = base_model_reference(types.SimpleNamespace(_name_or_path=str(tmp_path / "my-base") + "/"))
     assert hub_id is None and text == "`my-base` (loaded from a local directory)"
+
+
+def test_dataset_reference(tmp_path):
+    assert dataset_reference(None) == (None, None)
+    assert dataset_reference("countdown") == (None, "the built-in `countdown` task of trl_diffusion")
+    assert dataset_reference(str(tmp_path)) == (None, f"the local dataset `{tmp_path.name}`")
+    hub_id, text = dataset_reference("openai/gsm8k")
+    assert (
+        hub_id == "openai/gsm8k" and text == "the [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k) dataset"
+    )

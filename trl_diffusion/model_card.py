@@ -21,6 +21,7 @@ from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get
 
 from . import __version__
 from .generation import DiffusionGenerationConfig
+from .tasks import TASKS
 
 if is_wandb_available():
     import wandb
@@ -38,8 +39,8 @@ CARD_TEMPLATE = """---
 
 # Model Card for {{ model_name }}
 
-This model is a fine-tuned version of {{ base_model_text }}{% if dataset_name %} on the \
-[{{ dataset_name }}](https://huggingface.co/datasets/{{ dataset_name }}) dataset{% endif %}. It is a masked \
+This model is a fine-tuned version of {{ base_model_text }}{% if dataset_text %} on {{ dataset_text }}{% endif %}. \
+It is a masked \
 diffusion language model: it fills a canvas of masked tokens in a number of denoising steps instead of writing left \
 to right. It was trained with trl_diffusion, built on [TRL](https://github.com/huggingface/trl).
 
@@ -170,6 +171,23 @@ def base_model_reference(model_config) -> tuple[str | None, str]:
     return name_or_path, f"[{name_or_path}](https://huggingface.co/{name_or_path})"
 
 
+def dataset_reference(dataset_name: str | None) -> tuple[str | None, str | None]:
+    """The training data of a card: `(Hub id or None, text for the card or None)`.
+
+    Args:
+        dataset_name (`str`, *optional*):
+            A Hub id, a local directory, or the name of a built-in task (`trl-diffusion bgpo --dataset_name
+            countdown`), which the Hub's `datasets` field cannot hold.
+    """
+    if dataset_name is None:
+        return None, None
+    if dataset_name in TASKS:
+        return None, f"the built-in `{dataset_name}` task of trl_diffusion"
+    if os.path.isdir(dataset_name):
+        return None, f"the local dataset `{os.path.basename(os.path.normpath(dataset_name))}`"
+    return dataset_name, f"the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset"
+
+
 def card_sampler(args) -> tuple[bool, DiffusionGenerationConfig]:
     """The sampler of the card: `(whether training decoded with it, its config)`.
 
@@ -253,11 +271,12 @@ def generate_model_card(trainer, model_name: str | None, dataset_name: str | Non
         model_name (`str`, *optional*):
             Name of the trained model.
         dataset_name (`str`, *optional*):
-            Hub id of the training dataset.
+            The training dataset: a Hub id, a local directory or a built-in task ([`dataset_reference`]).
         tags (`list[str]`):
             The card's tags, besides `generated_from_trainer`.
     """
     base_model, base_model_text = base_model_reference(trainer.model.config)
+    dataset, dataset_text = dataset_reference(dataset_name)
     trained_sampler, config = card_sampler(trainer.args)
     settings = [
         (name, config.num_steps if name == "diffusion_steps" else getattr(config, name))
@@ -270,7 +289,7 @@ def generate_model_card(trainer, model_name: str | None, dataset_name: str | Non
     )
     card_data = ModelCardData(
         base_model=base_model,
-        datasets=dataset_name,
+        datasets=dataset,
         library_name="transformers",
         licence="license",
         model_name=model_name,
@@ -281,7 +300,7 @@ def generate_model_card(trainer, model_name: str | None, dataset_name: str | Non
         template_str=CARD_TEMPLATE,
         model_name=model_name,
         base_model_text=base_model_text,
-        dataset_name=dataset_name,
+        dataset_text=dataset_text,
         trained_sampler=trained_sampler,
         sampler_settings=settings,
         sft_canvas=getattr(trainer.args, "max_completion_length", None),
