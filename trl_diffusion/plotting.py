@@ -212,7 +212,7 @@ def _figure(curve: CurveFigure, keys: list[str], log_history: list[dict], title:
 def plot_log_history(
     log_history: list[dict], output_dir: str | os.PathLike, title: str | None = None
 ) -> dict[str, Path]:
-    """Draws the curves of a log history into PNGs: `reward.png` (the reward with its within-group spread, each
+    """Draws the curves of a log history into PNGs: `reward.png` (the reward with a band of ± `reward_std`, each
     reward function's mean when there are several, TRL's `eval_reward`), `accuracy.png` (`eval/<task>/accuracy` of
     [`~trl_diffusion.TaskEvaluationCallback`]), `kl.png`, `loss.png` and `health.png` (one panel per metric of the
     objective: BGPO's `bound/*`, the clip fractions `clip_ratio/*`, `sequence_ratio/*`, ESPO's `kl/*`, LFPO's
