@@ -212,3 +212,11 @@ def test_two_processes_under_accelerate_launch_equal_one(tiny_llada_dir, tmp_pat
             assert "Generating: 100%|██████████| 3/3" in process.stderr  # each process generated 3 of the 6
     assert len(samples["one"]) == 2 and all(len(records) == len(ROWS) for records in samples["one"].values())
     assert samples["two"] == samples["one"]
+
+
+def test_command_line_help_is_the_harness_run_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lm-eval", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--model_args" in help_text and "--tasks" in help_text and "--include_path" in help_text

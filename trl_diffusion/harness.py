@@ -91,8 +91,8 @@ class DiffusionLM(TemplateLM):
             Prompts per `generate` call; for `loglikelihood`, rows (one Monte Carlo sample of one request) per
             forward pass, as LLaDA's `batch_size`.
         num_mc_samples (`int`, *optional*, defaults to `128`):
-            Monte Carlo samples of each log-likelihood (LLaDA's `mc_num`; its default, and its advice: 128 for
-            multi-token continuations, 1 is enough for single-token ones).
+            Monte Carlo samples of each log-likelihood (LLaDA's `mc_num` and its default; LLaDA advises 1 for
+            single-token continuations such as multiple-choice letters).
         mask_sampler (`str`, *optional*, defaults to `"stratified"`):
             The mask sampler of the estimate, one of `trl_diffusion.masking.SAMPLERS`; `"stratified"` is LLaDA's
             (mask sizes spread evenly over 1..n from one random offset, weight n / l).
@@ -213,7 +213,7 @@ class DiffusionLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        # An empty context is scored after BOS (LLaDA's tokenizer adds it to every context), else after EOS.
+        # An empty context is scored after BOS (what a tokenizer that prepends it gives any context), else after EOS.
         bos = self.tokenizer.bos_token_id
         return bos if bos is not None else self.eot_token_id
 
@@ -244,8 +244,9 @@ class DiffusionLM(TemplateLM):
             self._state.wait_for_everyone()
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Token ids of `string`. By default the tokenizer adds its special tokens (LLaDA's adds BOS, as its
-        evaluation does), unless `string` already starts with BOS (a prompt rendered with the chat template)."""
+        """Token ids of `string`. By default the tokenizer adds its special tokens (as the harness's Hugging Face
+        model and LLaDA's evaluation tokenize contexts), unless `string` already starts with BOS (a prompt rendered
+        with the chat template)."""
         if add_special_tokens is None:
             bos = self.tokenizer.bos_token
             add_special_tokens = not (bos and string.startswith(bos))
