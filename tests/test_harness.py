@@ -146,6 +146,10 @@ def test_refusals_and_renamed_arguments(tiny_llada, tiny_tokenizer):
         DiffusionLM(**model, batch_size="auto")
     with pytest.raises(ValueError, match="pass its `tokenizer`"):
         DiffusionLM(tiny_llada)
+    with pytest.raises(
+        ValueError, match="1020 context \\+ 8 continuation tokens = 1028, more than the model's context"
+    ):
+        DiffusionLM(**model)._loglikelihood_tokens([(("", ""), [20] * 1020, [21] * 8)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lm = DiffusionLM(**model, gen_length=16, steps=8, block_length=8)
@@ -220,3 +224,56 @@ def test_command_line_help_is_the_harness_run_help(capsys):
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
     assert "--model_args" in help_text and "--tasks" in help_text and "--include_path" in help_text
+
+
+def test_chat_template_prompts_decode_as_conversational_prompts(tiny_llada_dir, in_data_dir):
+    """With `apply_chat_template`, the harness renders each question as one user turn through the tokenizer's chat
+    template: the generations equal `evaluate_task`'s on the same questions as conversational prompts."""
+    lm = DiffusionLM(tiny_llada_dir, batch_size=4, device="cpu", **SAMPLER)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[GENERATE_TASK],
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False),
+        apply_chat_template=True,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    samples = results["samples"][GENERATE_TASK]
+    assert all(sample["arguments"][0][0].startswith(lm.tokenizer.bos_token) for sample in samples)
+    prompts = [[{"role": "user", "content": row["question"]}] for row in ROWS]
+    direct = evaluate_task(
+        lm.model,
+        lm.tokenizer,
+        tiny_qa_task(),
+        dataset=Dataset.from_dict({"prompt": prompts}),
+        generation_config=DiffusionGenerationConfig(**SAMPLER),
+        progress_bar=False,
+    )
+    expected = [record["completion"].split(STOP)[0] for record in direct["records"]]
+    assert [sample["resps"][0][0] for sample in samples] == expected
+
+
+@pytest.mark.parametrize("family", ["tiny_dream", "tiny_llama"])
+def test_other_model_families(family, tiny_tokenizer, request):
+    """Dream (shifted logits) and a bidirectional Llama: generations are `generate`'s, log-likelihoods the ELBO."""
+    model = request.getfixturevalue(family)
+    lm = DiffusionLM(model, tokenizer=tiny_tokenizer, num_mc_samples=3, batch_size=2, device="cpu", **SAMPLER)
+    questions = [row["question"] for row in ROWS[:3]]
+    texts = lm.generate_until([Instance("generate_until", {}, (q, {"until": []}), i) for i, q in enumerate(questions)])
+    direct = evaluate_task(
+        model,
+        tiny_tokenizer,
+        tiny_qa_task(),
+        dataset=Dataset.from_dict({"prompt": questions}),
+        generation_config=DiffusionGenerationConfig(**SAMPLER),
+        progress_bar=False,
+    )
+    assert texts == [record["completion"] for record in direct["records"]]
+    ((log_likelihood, _),) = lm.loglikelihood([Instance("loglikelihood", {}, (questions[0], " 8, not 1"), 0)])
+    context_ids, continuation_ids = lm._encode_pair(questions[0], " 8, not 1")
+    completion = torch.tensor([continuation_ids])
+    seeds = torch.tensor([lm.mask_seed(context_ids, continuation_ids)])
+    plan = sample_masks("stratified", torch.ones_like(completion, dtype=torch.bool), seeds, 0, 3)
+    prompt = torch.tensor([context_ids])
+    expected = elbo_terms(model, lm.adapter, prompt, torch.ones_like(prompt), completion, plan).mean()
+    assert log_likelihood == pytest.approx(expected.item(), rel=1e-5)

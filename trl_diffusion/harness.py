@@ -342,7 +342,14 @@ class DiffusionLM(TemplateLM):
             logger.warning("cfg_scale applies to generate_until only: the log-likelihoods are computed unguided.")
         results = [None] * len(requests)
         by_length = defaultdict(list)
-        for index, (_, _, continuation_ids) in enumerate(requests):
+        for index, (_, context_ids, continuation_ids) in enumerate(requests):
+            length = len(context_ids) + len(continuation_ids)
+            if self.max_length is not None and length > self.max_length:
+                raise ValueError(
+                    f"A loglikelihood request has {len(context_ids)} context + {len(continuation_ids)} continuation "
+                    f"tokens = {length}, more than the model's context ({self.max_length}): shorten the task's "
+                    "contexts (fewer `--num_fewshot` examples)."
+                )
             if continuation_ids:
                 by_length[len(continuation_ids)].append(index)
             else:
