@@ -51,7 +51,7 @@ def test_plot_command_draws_every_figure_of_a_finished_run(finished_run, capsys)
     assert png_size(finished_run / "plots" / "health.png")[0] == 3 * 4 * 120
 
 
-def test_same_function_in_python_with_another_output_dir(finished_run, tmp_path):
+def test_same_function_in_python_with_another_plots_dir(finished_run, tmp_path):
     written = plot_training_curves(finished_run, tmp_path / "curves", title="tiny BGPO")
     assert list(written) == ["reward", "accuracy", "kl", "loss", "health"]
     assert all(path.parent == tmp_path / "curves" and png_size(path) for path in written.values())
@@ -66,9 +66,9 @@ def test_missing_metrics_are_skipped_and_named(tmp_path, capsys):
     """An SFT-like run (loss and token accuracy, no reward, KL or evaluation), from its last checkpoint."""
     logs = [{"step": step, "loss": 3.0 / step, "mean_token_accuracy": 0.1 * step} for step in (1, 2, 3)]
     write_state(tmp_path / "run" / "checkpoint-3", 3, logs)
-    assert main(["plot", str(tmp_path / "run")]) == 0
+    assert main(["plot", str(tmp_path / "run"), "--plots_dir", str(tmp_path / "pngs")]) == 0
     printed = capsys.readouterr().out
-    assert sorted(path.name for path in (tmp_path / "run" / "plots").iterdir()) == ["health.png", "loss.png"]
+    assert sorted(path.name for path in (tmp_path / "pngs").iterdir()) == ["health.png", "loss.png"]
     assert "Skipped reward.png: no `reward` logged" in printed
     assert "Skipped accuracy.png: no `eval/<task>/accuracy` logged" in printed and "--eval_every_steps" in printed
     assert "Skipped kl.png: no `kl` logged" in printed

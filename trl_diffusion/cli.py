@@ -5,7 +5,7 @@ to one script per job and relaunches training under `accelerate launch`.
     trl-diffusion eval --model PATH --task countdown [--num_examples 200 --split test --output results.json]
     trl-diffusion lm-eval --model_args pretrained=PATH,max_completion_length=256 --tasks gsm8k [harness flags]
     trl-diffusion demo
-    trl-diffusion plot OUTPUT_DIR [--output_dir OUTPUT_DIR/plots] [--title NAME]
+    trl-diffusion plot OUTPUT_DIR [--plots_dir OUTPUT_DIR/plots] [--title NAME]
 
 The training subcommands (`trl_diffusion.scripts.registry.TRAINING_COMMANDS`) run `trl_diffusion.scripts.train`,
 `eval` runs `trl_diffusion.scripts.eval`, `lm-eval` runs `trl_diffusion.scripts.harness` (EleutherAI's harness) and

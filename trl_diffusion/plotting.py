@@ -210,7 +210,7 @@ def _figure(curve: CurveFigure, keys: list[str], log_history: list[dict], title:
 
 
 def plot_log_history(
-    log_history: list[dict], output_dir: str | os.PathLike, title: str | None = None
+    log_history: list[dict], plots_dir: str | os.PathLike, title: str | None = None
 ) -> dict[str, Path]:
     """Draws the curves of a log history into PNGs: `reward.png` (the reward with a band of ± `reward_std`, each
     reward function's mean when there are several, TRL's `eval_reward`), `accuracy.png` (`eval/<task>/accuracy` of
@@ -222,7 +222,7 @@ def plot_log_history(
     Args:
         log_history (`list[dict]`):
             `trainer.state.log_history`, or the `log_history` of a `trainer_state.json`.
-        output_dir (`str` or `os.PathLike`):
+        plots_dir (`str` or `os.PathLike`):
             Where the PNGs are written (created if needed).
         title (`str`, *optional*):
             Prefix of every figure's title (e.g. the run's name).
@@ -241,25 +241,25 @@ def plot_log_history(
             f"Nothing to plot: the log history ({len(log_history)} entries) holds no metric of {[c.name for c in FIGURES]} "
             "(was anything logged? `logging_steps` may be larger than the run)."
         )
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for curve, keys in selected:
-        path = output_dir / f"{curve.name}.png"
+        path = plots_dir / f"{curve.name}.png"
         _figure(curve, keys, log_history, title).savefig(path)
         written[curve.name] = path
     return written
 
 
 def plot_training_curves(
-    run_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None, title: str | None = None
+    run_dir: str | os.PathLike, plots_dir: str | os.PathLike | None = None, title: str | None = None
 ) -> dict[str, Path]:
     """Draws the training curves of the run in `run_dir` into PNGs ([`plot_log_history`] on [`load_log_history`]).
 
     Args:
         run_dir (`str` or `os.PathLike`):
             The run's `output_dir` (or one of its checkpoints): its `trainer_state.json`, or its last checkpoint's.
-        output_dir (`str` or `os.PathLike`, *optional*):
+        plots_dir (`str` or `os.PathLike`, *optional*):
             Where the PNGs are written. Default: `run_dir/plots`.
         title (`str`, *optional*):
             Prefix of every figure's title. Default: the name of `run_dir`.
@@ -268,6 +268,6 @@ def plot_training_curves(
         `dict[str, Path]`: figure name -> PNG written.
     """
     run_dir = Path(run_dir)
-    output_dir = run_dir / "plots" if output_dir is None else output_dir
+    plots_dir = run_dir / "plots" if plots_dir is None else plots_dir
     title = run_dir.resolve().name if title is None else title
-    return plot_log_history(load_log_history(run_dir), output_dir, title)
+    return plot_log_history(load_log_history(run_dir), plots_dir, title)

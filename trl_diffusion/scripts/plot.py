@@ -1,6 +1,6 @@
 """The training curves of a run as PNGs (`trl-diffusion plot`):
 
-    python -m trl_diffusion.scripts.plot OUTPUT_DIR [--output_dir OUTPUT_DIR/plots] [--title NAME]
+    python -m trl_diffusion.scripts.plot OUTPUT_DIR [--plots_dir OUTPUT_DIR/plots] [--title NAME]
 
 Reads the run's `trainer_state.json` (its own or its last checkpoint's) and draws the reward, the task accuracy, the
 KL, the loss and the health metrics with [`~trl_diffusion.plotting.plot_training_curves`]; figures whose metrics were
@@ -22,8 +22,8 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "trainer_state.json or its last checkpoint's.",
     )
     parser.add_argument("run_dir", metavar="OUTPUT_DIR", help="The run's output_dir (or one of its checkpoints).")
-    parser.add_argument("--output_dir", default=None, help="Where the PNGs go. Default: OUTPUT_DIR/plots.")
-    parser.add_argument("--title", default=None, help="Prefix of the figure titles. Default: the run's name.")
+    parser.add_argument("--plots_dir", metavar="DIR", help="Where the PNGs are written. Default: OUTPUT_DIR/plots.")
+    parser.add_argument("--title", metavar="NAME", help="Prefix of the figure titles. Default: the run's name.")
     return parser
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..plotting import FIGURES, plot_training_curves
 
     try:
-        written = plot_training_curves(args.run_dir, args.output_dir, args.title)
+        written = plot_training_curves(args.run_dir, args.plots_dir, args.title)
     except (FileNotFoundError, ValueError) as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
     for path in written.values():
