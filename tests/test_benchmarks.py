@@ -122,12 +122,13 @@ def test_learning_smoke(tmp_path):
         "coupled_grpo": 0.04,
         "wd1": 0.0,
         "just_grpo": 0.04,
+        "spg": 0.0,
     }
     assert settings["rl"]["per_device_train_batch_size"] == 64 and settings["rl"]["num_generations"] == 8
     assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
     assert [run["seed"] for run in payload["sft"]["runs"]] == [0]
     results = {result["trainer"]: result for result in payload["results"]}
-    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo", "coupled_grpo", "wd1", "just_grpo"}
+    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo", "coupled_grpo", "wd1", "just_grpo", "spg"}
     for name, result in results.items():
         assert {
             "objective",
@@ -157,10 +158,20 @@ def test_gpu_check_dry_run(tmp_path):
     assert check.main(["--dry-run", "--output-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["dry_run"] is True
-    assert [stage["stage"] for stage in summary["stages"]] == ["memory", "throughput", "step_time"]
+    assert [stage["stage"] for stage in summary["stages"]] == ["trainers", "memory", "throughput", "step_time"]
     assert all(stage["status"] == "ok" for stage in summary["stages"])
-    for stage in summary["stages"]:
+    for stage in summary["stages"][1:]:
         assert load_outputs(tmp_path, f"gpu_{stage['stage']}")["preset"] == "smoke"
+    # The trainer smoke: each command run (BGPO and SFT in a dry run) with LoRA and with a 4-bit base, two finite
+    # losses each.
+    runs = json.loads((tmp_path / "gpu_trainers.json").read_text())["runs"]
+    assert [(run["command"], run["variant"]) for run in runs] == [
+        ("bgpo", "lora"),
+        ("bgpo", "qlora_4bit"),
+        ("sft", "lora"),
+        ("sft", "qlora_4bit"),
+    ]
+    assert all(run["status"] == "ok" and len(run["losses"]) == 2 for run in runs)
 
 
 def test_demo_robustness_smoke(tmp_path):

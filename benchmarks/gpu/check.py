@@ -1,8 +1,11 @@
 """GPU check: the memory, sampler-throughput and step-time benchmarks on one GPU, sized to finish in under 8 minutes.
 
 The model is a native LLaDA of ~318M parameters (d_model 1024, 24 blocks, 16 heads, SwiGLU width 2048, vocabulary
-32000) with random weights, built and saved locally once (no Hub) and shared by the three stages:
+32000) with random weights, built and saved locally once (no Hub) and shared by the four stages:
 
+0. `benchmarks/gpu/trainer_smoke.py`: every training command (each RL trainer and SFT) for two optimiser steps
+   through the command line, with LoRA on a bf16 base and with QLoRA on a 4-bit NF4 base (device placement, bf16
+   autocast, quantisation; finite losses);
 1. `benchmarks/memory.py --device cuda`: peak CUDA memory and bytes saved for backward of one training step against
    n (VRPO, BGPO, ESPO, LFPO) at n in {1, 4, 16, 32, 64} (VRPO up to 32, ESPO up to 16 pairs);
 2. `benchmarks/throughput.py --device cuda`: sampler tokens per second at generation lengths 128, 256 and 512, fixed
@@ -10,9 +13,11 @@ The model is a native LLaDA of ~318M parameters (d_model 1024, 24 blocks, 16 hea
 3. `benchmarks/step_time.py --device cuda`: generation / scoring / update time per optimiser step of every trainer.
 
     python benchmarks/gpu/check.py             # needs a CUDA GPU; without one it says so and exits 0
-    python benchmarks/gpu/check.py --dry-run   # the stages on the CPU at the smoke sizes, VRPO and BGPO (seconds)
+    python benchmarks/gpu/check.py --dry-run   # the stages on the CPU at the smoke sizes: VRPO and BGPO, and the
+                                               # trainer smoke of BGPO and SFT (about a minute)
 
-Writes `gpu_memory`, `gpu_throughput` and `gpu_step_time` (`.json` and `.png`) and `gpu_check.json` (stages, wall
+Writes `gpu_trainers.json`, `gpu_memory`, `gpu_throughput` and `gpu_step_time` (`.json` and `.png`) and
+`gpu_check.json` (stages, wall
 times, outcome, machine) to `benchmarks/results/` (a dry run: to a temporary directory unless `--output-dir`). A
 stage that fails is recorded with its traceback and the next one still runs; a stage that would start after the time
 budget is not run. The exit status is 1 if a stage failed.
@@ -34,6 +39,7 @@ import memory  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
+import trainer_smoke  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SIZES,
     RESULTS_DIR,
@@ -45,10 +51,18 @@ from _common import (  # noqa: E402
 
 # (stage, its main, its arguments on the GPU, its arguments in a dry run besides --smoke: fewer trainers, to be quick)
 STAGES = (
+    ("trainers", trainer_smoke.main, [], ["--commands", "bgpo", "sft"]),
     ("memory", memory.main, ["--points", "1", "4", "16", "32", "64"], ["--trainers", "vrpo", "bgpo"]),
     ("throughput", throughput.main, [], []),
     ("step_time", step_time.main, [], ["--trainers", "vrpo", "bgpo"]),
 )
+# What each stage writes (the trainer smoke draws no figure).
+OUTPUTS = {
+    "trainers": ("json",),
+    "memory": ("json", "png"),
+    "throughput": ("json", "png"),
+    "step_time": ("json", "png"),
+}
 NO_GPU_MESSAGE = (
     "No CUDA GPU is visible to torch (torch.cuda.is_available() is False): the GPU check needs one, so nothing was "
     "run. `--dry-run` runs its stages on the CPU at the smoke sizes."
@@ -107,7 +121,7 @@ def main(argv=None) -> int:
                     "stage": name,
                     "status": status,
                     "seconds": round(time.perf_counter() - stage_start, 1),
-                    "outputs": [f"gpu_{name}.json", f"gpu_{name}.png"] if status == "ok" else [],
+                    "outputs": [f"gpu_{name}.{kind}" for kind in OUTPUTS[name]] if status == "ok" else [],
                 }
             )
         total = time.perf_counter() - started
