@@ -49,10 +49,10 @@ from trl_diffusion.scripts.registry import trainer_classes
 # The first five (shared with the memory and step-time benchmarks) and the second wave (issue 16).
 TRAINERS = {
     **FIRST_WAVE_TRAINERS,
-    **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo")},
+    **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg")},
 }
-LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO"}
-COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive"}
+LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
+COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 
@@ -70,8 +70,8 @@ RL_SETTINGS = {
 }
 # KL coefficient towards the SFT model, as in the demo; LFPO has no likelihood and so no KL term.
 BETA = {"diffu_grpo": 0.04, "vrpo": 0.04, "bgpo": 0.04, "espo": 0.04, "lfpo": 0.0}
-# wd1 is ratio-free with no KL term; coupled-GRPO and JustGRPO keep the others' KL.
-BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04})
+# wd1 and SPG have no KL term (their configs refuse one); coupled-GRPO and JustGRPO keep the others' KL.
+BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "diffu_grpo": ("p_mask_prompt",),
@@ -82,6 +82,7 @@ OBJECTIVE_FIELDS = {
     "coupled_grpo": ("coupled_full_view", "coupled_t_range", "epsilon", "loss_type"),
     "wd1": ("psi", "p_mask_prompt"),
     "just_grpo": ("just_grpo_positions_per_forward", "loss_type"),
+    "spg": ("num_mc_samples", "mask_sampler", "negative_bound", "eubo_beta", "eubo_mix_weight", "elbo_region"),
 }
 
 
