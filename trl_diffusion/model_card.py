@@ -275,13 +275,13 @@ def generate_model_card(trainer, model_name: str | None, dataset_name: str | Non
         tags (`list[str]`):
             The card's tags, besides `generated_from_trainer`.
     """
+    from .trainer.base_config import SAMPLER_FIELDS  # here: the trainers import this module
+
     base_model, base_model_text = base_model_reference(trainer.model.config)
     dataset, dataset_text = dataset_reference(dataset_name)
     trained_sampler, config = card_sampler(trainer.args)
     settings = [
-        (name, config.num_steps if name == "diffusion_steps" else getattr(config, name))
-        for name in (field.name for field in fields(DiffusionGenerationConfig))
-        if name not in ("record_steps", "seed")
+        (name, config.num_steps if name == "diffusion_steps" else getattr(config, name)) for name in SAMPLER_FIELDS
     ]
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
     snippet = quick_start_snippet(
