@@ -108,3 +108,16 @@ def test_dataset_reference(tmp_path):
     assert (
         hub_id == "openai/gsm8k" and text == "the [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k) dataset"
     )
+
+
+def test_lora_adapter_card_keeps_peft_metadata_and_its_quick_start_runs(tiny_llada_dir, tmp_path, capsys):
+    """PEFT adds its metadata to the card written before the adapter, and the Auto class loads the adapter on its
+    base."""
+    output_dir = tmp_path / "tiny-bgpo-lora"
+    args = tiny_grpo_config(BGPOConfig, output_dir, num_mc_samples=2, max_steps=1)
+    trainer = tiny_trainer(BGPOTrainer, tiny_llada_dir, args, peft=True)
+    trainer.train()
+    trainer.save_model()
+    card = (output_dir / "README.md").read_text()
+    assert "library_name: peft" in card and "- trl-diffusion\n" in card and "trl_diffusion.generate" in card
+    run_quick_start(card, output_dir, capsys)
