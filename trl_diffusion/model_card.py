@@ -49,7 +49,7 @@ to right. It was trained with trl_diffusion, built on [TRL](https://github.com/h
 `pipeline("text-generation")` and `model.generate` decode left to right and do not apply. Load the model with the \
 transformers Auto classes after `import trl_diffusion` (which registers the native LLaDA and Dream architectures) \
 and decode with `trl_diffusion.generate`{% if trained_sampler %}, here with the sampler settings of the training \
-rollouts{% endif %} (`pip install trl_diffusion`):
+rollouts{% endif %}; trl_diffusion must be installed:
 
 ```python
 {{ snippet }}
