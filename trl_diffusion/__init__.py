@@ -32,6 +32,7 @@ __version__ = "0.1.0.dev0"
 _import_structure = {
     "evaluation": ["TaskEvaluationCallback", "evaluate_task"],
     "generation": ["DiffusionGenerationConfig", "DiffusionGenerationOutput", "cut_at_terminator", "generate"],
+    "harness": ["DiffusionLM"],
     "likelihood": [
         "autoregressive_logprobs",
         "coupled_token_scores",
@@ -106,6 +107,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .evaluation import TaskEvaluationCallback, evaluate_task
     from .generation import DiffusionGenerationConfig, DiffusionGenerationOutput, cut_at_terminator, generate
+    from .harness import DiffusionLM
     from .likelihood import (
         autoregressive_logprobs,
         coupled_token_scores,
