@@ -86,7 +86,10 @@ FIGURES = (
             "kl/*",
             "lfpo/*",
             "weights/*",
+            "sandwich/*",
+            "eubo/*",
             "elbo/mean",
+            "elbo/mean_per_token",
             "likelihood/mean",
             "log_likelihood/mean",
             "mean_token_accuracy",
@@ -216,7 +219,7 @@ def plot_log_history(
     reward function's mean when there are several, TRL's `eval_reward`), `accuracy.png` (`eval/<task>/accuracy` of
     [`~trl_diffusion.TaskEvaluationCallback`]), `kl.png`, `loss.png` and `health.png` (one panel per metric of the
     objective: BGPO's `bound/*`, the clip fractions `clip_ratio/*`, `sequence_ratio/*`, ESPO's `kl/*`, LFPO's
-    `lfpo/*`, wd1's `weights/*`, the ELBO or likelihood, and `grad_norm`, `frac_reward_zero_std`,
+    `lfpo/*`, wd1's `weights/*`, SPG's `sandwich/*` and `eubo/*`, the ELBO or likelihood, and `grad_norm`, `frac_reward_zero_std`,
     `completions/mean_length`). A figure none of whose metrics was logged is not drawn ([`FIGURES`]).
 
     Args:
