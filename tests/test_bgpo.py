@@ -4,8 +4,9 @@
   `A * (1 / (n_t * N)) * sum_j grad l_theta(j)` (checked against `trl_diffusion.likelihood.elbo_term` directly).
 - Off-policy its objective is a lower bound of VRPO's, completion by completion, and the logged gap is >= 0.
 - Its activation memory does not grow with the number of Monte Carlo samples; VRPO's grows linearly.
-- The per-sample backward respects gradient accumulation, and two processes (DDP, gloo) train exactly like one
-  process over the same global batch.
+- The per-sample backward respects gradient accumulation; several samples per backward (`mc_samples_per_backward`)
+  give the loss and gradient of one; two processes (DDP, gloo) train exactly like one process over the same global
+  batch.
 
 Batches are generated once by a trainer (`_generate_and_score_completions`) and fed back through a patched
 `_prepare_inputs`, so that both trainers see the same rollouts and masks, and generation is never measured.
@@ -297,6 +298,52 @@ def test_per_sample_backward_respects_gradient_accumulation(make_trainer, datase
         atol=1e-5,
         label="GA=2 per-sample vs mean of micro-batch losses",
     )
+
+
+BOUND_METRICS = ("elbo/mean", "bound/gap_mean", "bound/gap_min", "bound/d_spread", "kl", "clip_ratio/region_mean")
+
+
+def test_samples_per_backward_trains_like_one_sample_per_backward(make_trainer, dataset):
+    """n_t = 8 Monte Carlo samples in groups of k = 1, 2, 3 (a non-divisor: 3 + 3 + 2) and 4 per forward and backward:
+    ceil(8 / k) forward passes over k stacked canvases each, and the same accumulated loss, gradient and logged bound
+    metrics as one sample per backward, over two micro-batches at GA=2, off-policy, with mixed advantages, a PPO clip
+    that binds and the k2 penalty."""
+    settings = dict(num_mc_samples=8, gradient_accumulation_steps=2, num_iterations=2, beta=0.04)
+    trainer = make_trainer(BGPOTrainer, **settings, clip_sequence_ratio=True, epsilon=0.05)
+    batch = generate_batch(trainer, dataset, num_rows=8)
+    batch["inner_iteration"] = 1
+    batch["advantages"] = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.7, -1.3, 2.0, -0.1])
+    perturb(trainer.model, std=0.01, seed=1)
+    micro_batches = [select_rows(batch, slice(0, 4)), select_rows(batch, slice(4, 8))]
+    forward_rows = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forward_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+
+    runs = {}
+    for samples_per_backward in (1, 2, 3, 4):
+        trainer.args.mc_samples_per_backward = samples_per_backward
+        forward_rows.clear()
+        loss = sum(bgpo_training_step(trainer, micro_batch) for micro_batch in micro_batches)
+        metrics = {name: trainer._metrics["train"][name][-2:] for name in BOUND_METRICS}
+        runs[samples_per_backward] = loss, gradients(trainer.model, clear=True), metrics, list(forward_rows)
+
+    reference_loss, reference_gradients, reference_metrics, _ = runs[1]
+    assert reference_metrics["clip_ratio/region_mean"] != [0.0, 0.0] and reference_metrics["kl"][0] > 0
+    for samples_per_backward, (loss, grads, metrics, rows) in runs.items():
+        group_sizes = [min(samples_per_backward, 8 - start) for start in range(0, 8, samples_per_backward)]
+        assert rows == [4 * size for size in group_sizes] * 2, rows  # 4 rows per micro-batch, k views of each
+        print(f"k={samples_per_backward}: loss {loss.item():.8f} (k=1: {reference_loss.item():.8f})")
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-7)
+        assert_same_gradients(grads, reference_gradients, rtol=0, atol=1e-5, label=f"k={samples_per_backward}")
+        for name, values in metrics.items():
+            assert values == pytest.approx(reference_metrics[name], rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.parametrize("samples_per_backward", [0, 5])
+def test_samples_per_backward_must_lie_between_one_and_num_mc_samples(samples_per_backward):
+    with pytest.raises(ValueError, match=r"`mc_samples_per_backward` must lie between 1 and `num_mc_samples` \(4\)"):
+        BGPOConfig("out", num_mc_samples=4, mc_samples_per_backward=samples_per_backward, use_cpu=True, bf16=False)
 
 
 # ---------------------------------------------------------------------------------------------------- data parallel

@@ -169,8 +169,8 @@ SPECS = {
     ),
     BGPOConfig: Spec(
         parent=SequenceELBOConfig,
-        changes=frozenset({"num_mc_samples"}),
-        defaults=dict(num_mc_samples=16, loss_type=GRPO_DEFAULTS["loss_type"]),
+        changes=frozenset({"num_mc_samples", "mc_samples_per_backward"}),
+        defaults=dict(num_mc_samples=16, mc_samples_per_backward=1, loss_type=GRPO_DEFAULTS["loss_type"]),
     ),
     ESPOConfig: Spec(
         parent=SequenceELBOConfig,
@@ -251,6 +251,7 @@ CLI_VALUES = {
     "threshold": 0.9,
     "max_prompt_length": 64,
     "num_mc_samples": 3,
+    "mc_samples_per_backward": 2,  # BGPO: at most num_mc_samples
     "timestep_eps": 0.01,
     "p_mask_prompt": 0.3,
     "max_consecutive_failed_reward_steps": 3,

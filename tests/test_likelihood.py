@@ -22,6 +22,7 @@ from trl_diffusion.likelihood import (
     exact_elbo_eps,
     masked_token_logprobs,
     mean_field_logprobs,
+    stacked_elbo_terms,
 )
 from trl_diffusion.masking import (
     MaskPlan,
@@ -410,6 +411,20 @@ def test_elbo_term_alone_equals_in_left_padded_batch(tiny_llama, tiny_llama_adap
     alone_terms = elbo_terms(tiny_llama, tiny_llama_adapter, *example.inputs(), alone_plan)
     assert batch_terms.shape == (2, 3)
     assert torch.allclose(batch_terms[0], alone_terms[0], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sampler", ["stratified", "coupled", "block"])
+def test_stacked_elbo_terms_equal_one_term_per_forward(tiny_llama, tiny_llama_adapter, padded_batch, sampler):
+    """k views stacked along the batch in one forward (a second for `coupled`'s complements) give each term as its
+    own forward does, in the order asked, for a left-padded batch."""
+    region = _region(tiny_llama_adapter, padded_batch.completion_ids, "canvas")
+    plan = sample_masks(sampler, region, torch.tensor([11, 12]), iteration=0, num_mc_samples=5, block_length=2)
+    inputs = (tiny_llama, tiny_llama_adapter, *padded_batch.inputs(), plan)
+    one_by_one = torch.stack([elbo_term(*inputs, mc_index) for mc_index in (4, 0, 2)], dim=1)
+    stacked = stacked_elbo_terms(*inputs, [4, 0, 2])
+    assert stacked.shape == (2, 3) and stacked.abs().min() > 0
+    torch.testing.assert_close(stacked, one_by_one, rtol=1e-5, atol=1e-5)
 
 
 def test_elbo_term_is_differentiable(tiny_llama, tiny_llama_adapter, example):

@@ -43,6 +43,7 @@ _import_structure = {
         "exact_elbo_eps",
         "masked_token_logprobs",
         "mean_field_logprobs",
+        "stacked_elbo_terms",
         "view_logprobs",
     ],
     "masking": [
@@ -118,6 +119,7 @@ if TYPE_CHECKING:
         exact_elbo_eps,
         masked_token_logprobs,
         mean_field_logprobs,
+        stacked_elbo_terms,
         view_logprobs,
     )
     from .masking import (

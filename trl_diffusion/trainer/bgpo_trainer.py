@@ -15,9 +15,10 @@ class BGPOTrainer(SequenceELBOTrainer):
     samples, so its gradient needs all their graphs at once. BGPO maximises a lower bound that is a sum over samples,
     `sum_j g_j` with `g_j = A * r_j / n_t`, `r_j = 1 + d_j` for `A >= 0` (tangent: `e^x >= 1 + x`) and
     `r_j = exp(d_j)` for `A < 0` (Jensen): each sample gets its own forward and backward inside `training_step`, and
-    activation memory stays that of one sample whatever `num_mc_samples`. On-policy (`d_j = 0`) value and gradient
-    equal VRPO's. The per-sample backward is the shared layer's `training_step` (see
-    [`DiffusionRLTrainer.loss_pieces`]).
+    activation memory stays that of one sample whatever `num_mc_samples`. With `mc_samples_per_backward` k > 1, k
+    samples share one forward (their canvases stacked along the batch dimension) and one backward: the same loss and
+    gradient, activation memory of k samples, `ceil(n_t / k)` passes. On-policy (`d_j = 0`) value and gradient equal
+    VRPO's. The per-sample backward is the shared layer's `training_step` (see [`DiffusionRLTrainer.loss_pieces`]).
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` a [`BGPOConfig`].
 
@@ -52,31 +53,34 @@ class BGPOTrainer(SequenceELBOTrainer):
             }"""),
     }
 
-    def _sample_loss(self, model, inputs: dict, plan: MaskPlan, mc_index: int, mode: str):
-        """The loss of Monte Carlo sample `mc_index` over the micro-batch, `-mean_b g_bj / GA` (plus its share of the
-        KL), and its detached `(l_theta(j), d_j, g_j, clamp hits, per-sample k2)`."""
-        advantages = inputs["advantages"]
+    def _group_loss(self, model, inputs: dict, plan: MaskPlan, mc_indices: list[int], mode: str):
+        """The loss of Monte Carlo samples `mc_indices` over the micro-batch, `-sum_j mean_b g_bj / GA` (plus their
+        share of the KL), from one forward pass over their stacked views, and their detached `(l_theta(j), d_j, g_j,
+        clamp hits, per-sample k2)`, each `(batch, k)`."""
+        advantages = inputs["advantages"][:, None]
         num_samples = plan.num_mc_samples
-        term = self.elbo_term(model, inputs, plan, mc_index).float()
+        terms = self.stacked_elbo_terms(model, inputs, plan, mc_indices).float()
         old_terms = self.iteration_terms(inputs, "old_elbo_terms")
         # On-policy the old term is the current one, detached: no extra forward pass.
-        old_term = term.detach() if old_terms is None else old_terms[:, mc_index]
-        d = (term - old_term) / self.elbo_normaliser(inputs)
+        old = terms.detach() if old_terms is None else old_terms[:, mc_indices]
+        d = (terms - old) / self.elbo_normaliser(inputs)[:, None]
         clamp_hits = (d > MAX_LOG_RATIO) & (advantages < 0)
         ratio = torch.where(advantages >= 0, 1 + d, torch.exp(d.clamp(max=MAX_LOG_RATIO)))
         bound = self.clipped_objective(ratio, advantages) / num_samples
-        per_completion = -bound
-        kl = torch.zeros_like(term)
+        per_sample = -bound
+        kl = torch.zeros_like(terms)
         if self.beta != 0.0:
-            ref_term = self.iteration_terms(inputs, "ref_elbo_terms")[:, mc_index]
+            ref_terms = self.iteration_terms(inputs, "ref_elbo_terms")[:, mc_indices]
             # Per-sample k2 (by Jensen at least the sequence k2): the objective stays a sum over samples.
-            kl = self.sequence_kl(term, ref_term)
-            per_completion = per_completion + self.beta * kl / num_samples
-        loss = (per_completion * self.completion_weights(inputs)).mean() / self.loss_scale(mode)
-        return loss, (term.detach(), d.detach(), bound.detach(), clamp_hits, kl.detach())
+            kl = self.sequence_kl(terms, ref_terms)
+            per_sample = per_sample + self.beta * kl / num_samples
+        weights = self.completion_weights(inputs)[:, None]
+        # The sum over the group of each sample's micro-batch mean: the k = 1 pieces added up.
+        loss = (per_sample * weights).mean(dim=0).sum() / self.loss_scale(mode)
+        return loss, (terms.detach(), d.detach(), bound.detach(), clamp_hits, kl.detach())
 
     def _log_bound_metrics(self, mode: str, inputs: dict, stats: list) -> None:
-        terms, d, _, clamp_hits, kl = (torch.stack(values, dim=1) for values in zip(*stats))
+        terms, d, _, clamp_hits, kl = (torch.cat(values, dim=1) for values in zip(*stats))
         advantages = inputs["advantages"].double()
         # The gap to the unclipped ELBO objective A * exp(mean_j d_j); >= 0 whenever no clamp was hit. In float64
         # and as A * (exp(mean_j d_j) - mean_j c_j), with g_j = A * c_j / n_t: summing the float32 g_j instead rounds
@@ -104,15 +108,21 @@ class BGPOTrainer(SequenceELBOTrainer):
         self.log_ratio_metrics(mode, d.mean(dim=1), ratio.float(), inputs["advantages"])
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
-        """One piece per Monte Carlo sample: `training_step` back-propagates each on its own."""
+        """One piece per group of `mc_samples_per_backward` Monte Carlo samples (the last group smaller when it does
+        not divide `num_mc_samples`): `training_step` back-propagates each on its own."""
         plan = self.mask_plan(inputs, inputs["inner_iteration"])
-        return plan.num_mc_samples, self._sample_losses(model, inputs, plan, mode)
+        group_size = self.args.mc_samples_per_backward
+        groups = [
+            list(range(start, min(start + group_size, plan.num_mc_samples)))
+            for start in range(0, plan.num_mc_samples, group_size)
+        ]
+        return len(groups), self._group_losses(model, inputs, plan, groups, mode)
 
-    def _sample_losses(self, model, inputs: dict, plan: MaskPlan, mode: str) -> Iterator[torch.Tensor]:
+    def _group_losses(self, model, inputs: dict, plan: MaskPlan, groups: list, mode: str) -> Iterator[torch.Tensor]:
         stats = []
-        for mc_index in range(plan.num_mc_samples):
-            loss, sample_stats = self._sample_loss(model, inputs, plan, mc_index, mode)
-            stats.append(sample_stats)
+        for mc_indices in groups:
+            loss, group_stats = self._group_loss(model, inputs, plan, mc_indices, mode)
+            stats.append(group_stats)
             yield loss
         self._log_bound_metrics(mode, inputs, stats)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..likelihood import elbo_term, elbo_terms
+from ..likelihood import elbo_terms, stacked_elbo_terms
 from ..masking import MaskPlan, completion_region, length_normaliser, sample_masks
 from .base_trainer import DiffusionRLTrainer
 from .sequence_elbo_config import SequenceELBOConfig
@@ -50,11 +50,11 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
         canvas = inputs["completion_canvas"]
         return length_normaliser(canvas, self.adapter.terminator_ids, self.args.length_norm).to(canvas.device)
 
-    def elbo_term(self, model, inputs: dict, plan: MaskPlan, mc_index: int) -> torch.Tensor:
-        """Monte Carlo term `mc_index` of every row, shape `(batch,)`, with gradients when enabled."""
-        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+    def stacked_elbo_terms(self, model, inputs: dict, plan: MaskPlan, mc_indices: list[int]) -> torch.Tensor:
+        """Monte Carlo terms `mc_indices` of every row from one forward pass over their stacked views, shape
+        `(batch, len(mc_indices))`, with gradients when enabled."""
         with self.accelerator.autocast():
-            return elbo_term(model, self.adapter, prompt_ids, prompt_mask, canvas, plan, mc_index)
+            return stacked_elbo_terms(model, self.adapter, *self.rollout_inputs(inputs), plan, mc_indices)
 
     def elbo_terms(self, model, inputs: dict, iteration: int) -> torch.Tensor:
         """Every Monte Carlo term of every row for inner iteration `iteration`, all graphs kept,
