@@ -10,6 +10,7 @@ the scripts in `examples/`.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -148,6 +149,10 @@ def _parse_and_train(command: str, parser: DiffusionTrlParser, argv: list[str] |
         parser.error("--accelerate_config relaunches `trl-diffusion`; run this script with `accelerate launch`.")
     trainer = train(command, script_args, training_args, model_args)
     trainer.end()
+    # Free the trainer's reference cycles (the DDP reducer and the gloo work it holds among them) while the
+    # interpreter is fully alive: C++ objects destroyed during interpreter finalization can abort the process.
+    del trainer
+    gc.collect()
     return 0
 
 
