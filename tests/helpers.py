@@ -263,12 +263,13 @@ def load_ddp_worker():
     return module
 
 
-def run_ddp_worker(output_dir, processes: int, *worker_args: str) -> list[dict]:
-    """`ddp_worker.py WORKER_ARGS --output-dir OUTPUT_DIR` under torchrun with `processes` CPU processes (gloo, one
-    thread each); the results the ranks saved, in rank order."""
+def run_ddp_worker(output_dir, processes: int, *worker_args: str, worker=DDP_WORKER, timeout=600) -> list[dict]:
+    """`ddp_worker.py WORKER_ARGS --output-dir OUTPUT_DIR` (or another `worker` script) under torchrun with
+    `processes` CPU processes (gloo, one thread each), killed after `timeout` seconds; the results the ranks saved,
+    in rank order."""
     os.makedirs(output_dir, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
-    command += [str(DDP_WORKER), *worker_args, "--output-dir", str(output_dir)]
+    command += [str(worker), *worker_args, "--output-dir", str(output_dir)]
     root = str(Path(__file__).resolve().parents[1])
     env = {
         **os.environ,
@@ -277,7 +278,7 @@ def run_ddp_worker(output_dir, processes: int, *worker_args: str) -> list[dict]:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     }
-    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    process = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
     assert process.returncode == 0, f"torchrun failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
     return [torch.load(Path(output_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
 

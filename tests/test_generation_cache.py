@@ -24,7 +24,7 @@ def sharp_model(request, tiny_tokenizer):
 
 class CountingModel(torch.nn.Module):
     """Forwards to `module` and records, per call, the rows and the number of positions fed (and, with
-    `keep_outputs`, the inputs and logits)."""
+    `keep_outputs`, the inputs, the `logits_to_keep` asked for and the logits)."""
 
     def __init__(self, model, keep_outputs=False):
         super().__init__()
@@ -36,7 +36,7 @@ class CountingModel(torch.nn.Module):
         self.fed.append(tuple(input_ids.shape))
         output = self.module(input_ids=input_ids, **kwargs)
         if self.keep_outputs:
-            self.outputs.append((input_ids.clone(), output.logits.clone()))
+            self.outputs.append((input_ids.clone(), kwargs.get("logits_to_keep"), output.logits.clone()))
         return output
 
     def tokens(self):
@@ -186,7 +186,8 @@ def test_one_step_per_block_equals_uncached_decoding(sharp_model, chat_prompts, 
 
 def test_first_step_of_each_block_is_the_uncached_forward(sharp_model, chat_prompts):
     """A block's first step (which commits tokens like any other) runs the whole canvas entering the block, and its
-    logits are exactly the uncached forward's; the first block's commits agree with uncached decoding."""
+    logits, computed at the block only, are exactly the uncached forward's there; the first block's commits agree
+    with uncached decoding."""
     model, adapter = sharp_model
     recording = CountingModel(model, keep_outputs=True)
     settings = {"max_completion_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "diffusion_steps": 12}
@@ -196,19 +197,19 @@ def test_first_step_of_each_block_is_the_uncached_forward(sharp_model, chat_prom
     assert torch.equal(cached.commit_step == 0, uncached.commit_step == 0)
 
     canvas_length = chat_prompts["input_ids"].shape[1] + GEN_LENGTH
-    full_passes = [(inputs, logits) for inputs, logits in recording.outputs if inputs.shape[1] == canvas_length]
+    full_passes = [output for output in recording.outputs if output[0].shape[1] == canvas_length]
     assert len(full_passes) == 3
     attention = torch.cat([chat_prompts["attention_mask"], torch.ones(3, GEN_LENGTH, dtype=torch.long)], dim=1)
-    for (inputs, logits), canvas in zip(full_passes, cached.history):
+    prompt_length, shift = canvas_length - GEN_LENGTH, int(adapter.shift_logits)
+    for block, ((inputs, kept, logits), canvas) in enumerate(zip(full_passes, cached.history)):
         assert torch.equal(inputs, canvas)
+        block_start = prompt_length + block * BLOCK_LENGTH
+        assert kept.tolist() == list(range(block_start - shift, block_start + BLOCK_LENGTH - shift))
         with torch.no_grad():
             expected = model(
-                input_ids=canvas,
-                attention_mask=attention,
-                position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-                logits_to_keep=logits.shape[1],
+                input_ids=canvas, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
             )
-        assert torch.equal(logits, expected.logits)
+        assert torch.equal(logits, expected.logits[:, kept])
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

@@ -375,32 +375,39 @@ def num_transfer_tokens(masked_counts: torch.LongTensor, num_steps: int, schedul
 
 @dataclass
 class _Logits:
-    """Logits of one model call: completion positions `start:start + logits.shape[1]` of the active rows `rows`
-    (all of them when the step made one call), conditional rows over unconditional ones under guidance."""
+    """Logits of one model call at the completion positions `positions` (ascending) of the active rows `rows` (all of
+    them when the step made one call), conditional rows over unconditional ones under guidance."""
 
     logits: torch.Tensor
-    start: int = 0
+    positions: torch.LongTensor
     rows: torch.LongTensor | None = None
+
+
+def _block_positions(block_start: torch.LongTensor, block_length: int) -> torch.LongTensor:
+    """The positions of the blocks starting at `block_start` (one start per row, repeats allowed), ascending: where a
+    step reads logits, so the output head runs nowhere else."""
+    starts = block_start.unique()
+    return (starts[:, None] + torch.arange(block_length, device=starts.device)).flatten()
 
 
 def _select_logits(pieces: list[_Logits], selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
     """float32 logits of the `selected` completion positions (row-major over the active rows), shape
-    `(num_positions, vocab)`, from the logits of one step's model calls. Every selected position lies in the window
-    of its row's call."""
+    `(num_positions, vocab)`, from the logits of one step's model calls. Every selected position is one of the
+    positions of its row's call."""
     if len(pieces) == 1:
         piece = pieces[0]
-        return _guided(piece.logits, selected[:, piece.start : piece.start + piece.logits.shape[1]], cfg_scale)
+        return _guided(piece.logits, selected[:, piece.positions], cfg_scale)
     # Several calls (a cached step whose rows are at different points of their blocks): put each call's positions at
     # their rank in the row-major order of the whole batch.
     rank = (selected.flatten().cumsum(0) - 1).view_as(selected)
     selected_logits = None
     for piece in pieces:
-        window = slice(piece.start, piece.start + piece.logits.shape[1])
-        piece_selected = selected[piece.rows, window]
+        index = (piece.rows[:, None], piece.positions[None, :])
+        piece_selected = selected[index]
         piece_logits = _guided(piece.logits, piece_selected, cfg_scale)
         if selected_logits is None:
             selected_logits = piece_logits.new_empty((int(selected.sum()), piece_logits.shape[1]))
-        selected_logits[rank[piece.rows, window][piece_selected]] = piece_logits
+        selected_logits[rank[index][piece_selected]] = piece_logits
     return selected_logits
 
 
@@ -413,10 +420,32 @@ def _guided(logits: torch.Tensor, selected: torch.BoolTensor, cfg_scale: float) 
     return unconditional + (cfg_scale + 1) * (conditional - unconditional)
 
 
+def _full_pass(
+    model,
+    adapter: DiffusionAdapter,
+    config: DiffusionGenerationConfig,
+    input_ids,
+    attention_mask,
+    block_start,
+    **kwargs,
+) -> _Logits:
+    """A pass over the full sequence, with logits at the blocks starting at `block_start` (sequence positions), or at
+    the whole completion under `stop_patience`, which reads every masked position. `kwargs` go to `adapter.logits`."""
+    max_completion_length = config.max_completion_length
+    prompt_length = input_ids.shape[1] - max_completion_length
+    if config.stop_patience is None:
+        positions = _block_positions(block_start, config.block_length)
+        logits = adapter.logits(model, input_ids, attention_mask, logit_positions=positions, **kwargs)
+        return _Logits(logits, positions - prompt_length)
+    logits = adapter.logits(model, input_ids, attention_mask, num_logits=max_completion_length, **kwargs)
+    return _Logits(logits, torch.arange(max_completion_length, device=logits.device))
+
+
 class _CachedForward:
     """The model calls of a cached step. A row entering a block gets a full pass that also refreshes its cache rows;
     the other rows get one pass over their block (`"dual"`), or their block and everything after it (`"prefix"`),
-    reading every other position from the cache.
+    reading every other position from the cache. Logits are computed at the rows' blocks only (everywhere fed under
+    `stop_patience`, which reads the whole completion).
 
     The cache holds the rows still decoding, ordered as the active rows (then their unconditional copies under
     guidance); finished rows are dropped from it.
@@ -428,8 +457,14 @@ class _CachedForward:
         self.model, self.adapter, self.config = model, adapter, config
         self.model_inputs = model_inputs  # active rows -> (input_ids, attention_mask), doubled under guidance
         self.batch_size, self.sequence_length = sequence_shape
+        self.prompt_length = self.sequence_length - config.max_completion_length
         self.cache = None
         self.cache_ids = None  # sequence row r, and r + batch_size for its unconditional copy
+
+    @staticmethod
+    def num_calls(refresh: torch.BoolTensor) -> int:
+        """Model calls that [`__call__`] makes for active rows of which `refresh` enter a block."""
+        return 1 if refresh.all() else 1 + int(refresh.any())
 
     def __call__(
         self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
@@ -437,16 +472,13 @@ class _CachedForward:
         """Logits of one step for `active_rows`; `refresh` marks the rows entering a block, `block_start` gives each
         row's block (as a position of the full sequence)."""
         config, adapter, guided = self.config, self.adapter, self.config.cfg_scale > 0
-        max_completion_length = config.max_completion_length
         ids = torch.cat([active_rows, active_rows + self.batch_size]) if guided else active_rows
         if refresh.all():
             self.cache = None  # free the old cache before the new one fills
             cache = CanvasCache()
-            logits = adapter.logits(
-                self.model, *self.model_inputs(active_rows), num_logits=max_completion_length, cache=cache
-            )
+            piece = _full_pass(self.model, adapter, config, *self.model_inputs(active_rows), block_start, cache=cache)
             self.cache, self.cache_ids = cache, ids
-            return [_Logits(logits)]
+            return [piece]
         if not torch.equal(self.cache_ids, ids):
             # Rows only ever leave the batch: keep the cache rows of those still decoding.
             self.cache.batch_select_indices(torch.isin(self.cache_ids, ids).nonzero().squeeze(1))
@@ -459,20 +491,24 @@ class _CachedForward:
         refreshed = refresh.nonzero().squeeze(1)
         cached = (~refresh).nonzero().squeeze(1)
         if len(refreshed) > 0:
-            logits = adapter.logits(
+            piece = _full_pass(
                 self.model,
+                adapter,
+                config,
                 *self.model_inputs(active_rows[refreshed]),
-                num_logits=max_completion_length,
+                block_start[refreshed],
                 cache=self.cache,
                 cache_rows=cache_rows(refreshed),
             )
-            pieces.append(_Logits(logits, rows=refreshed))
+            piece.rows = refreshed
+            pieces.append(piece)
         start = block_start[cached]
         end = (
             start + config.block_length
             if config.generation_cache == "dual"
             else torch.full_like(start, self.sequence_length)
         )
+        positions = None if config.stop_patience is not None else _block_positions(start, config.block_length)
         if guided:
             start, end = start.repeat(2), end.repeat(2)
         logits = adapter.cached_logits(
@@ -482,10 +518,26 @@ class _CachedForward:
             start,
             end,
             cache_rows=cache_rows(cached) if len(refreshed) > 0 else None,
+            logit_positions=positions,
         )
-        prompt_length = self.sequence_length - max_completion_length
-        pieces.append(_Logits(logits, start=int(start.min()) - prompt_length, rows=cached if pieces else None))
+        if positions is None:
+            positions = torch.arange(int(start.min()), int(end.max()), device=logits.device)
+        pieces.append(_Logits(logits, positions - self.prompt_length, rows=cached if pieces else None))
         return pieces
+
+
+def _max_over_processes(value: int, device: torch.device) -> int:
+    """The largest `value` over the processes of the default `torch.distributed` group."""
+    tensor = torch.tensor(value, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor)
+
+
+def _idle_forwards(model, adapter: DiffusionAdapter, sequence: torch.LongTensor, num_calls: int) -> None:
+    """`num_calls` forwards of the whole model on one position, whose logits are discarded: the cheapest way for a
+    process to join the collectives of the model calls that other processes make."""
+    for _ in range(num_calls):
+        adapter.logits(model, sequence[:1, -1:], torch.ones_like(sequence[:1, -1:]))
 
 
 def _uniform_noise(
@@ -614,6 +666,7 @@ def generate(
     tokenizer=None,
     generator: GeneratorLike = None,
     progress_bar: bool = False,
+    synchronize: bool = False,
 ) -> DiffusionGenerationOutput:
     """Denoises a completion for each (left-padded) prompt.
 
@@ -641,6 +694,14 @@ def generate(
             `generation_config.seed` (or from fresh entropy); the global RNG is never touched.
         progress_bar (`bool`, defaults to `False`):
             Show a progress bar over the steps.
+        synchronize (`bool`, defaults to `False`):
+            Keep the processes of a `torch.distributed` job in lockstep: every process makes the same number of
+            model calls (the most any process needs at each step, until all are finished), a process whose rows
+            are finished, or that needs fewer calls, running idle passes on one position. Needed when the model's
+            forward has collectives (FSDP, DeepSpeed ZeRO-3 without gathered parameters) and the step counts depend
+            on the data (`early_stop`, `threshold`, `stop_patience`, or a cache with rows in different blocks). Each
+            process's rows decode exactly as without it; `num_forward_passes` counts the idle passes too. Costs one
+            all-reduce per step; a no-op with a single process.
 
     Returns:
         [`DiffusionGenerationOutput`].
@@ -650,6 +711,12 @@ def generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _check_inputs(input_ids, attention_mask, config, adapter, generator, _vocab_size(model))
+    if synchronize and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(
+            "`synchronize=True` keeps the processes of a torch.distributed job in lockstep, and no process group is "
+            "initialised: call `torch.distributed.init_process_group` first, or pass `synchronize=False`."
+        )
+    lockstep = synchronize and torch.distributed.get_world_size() > 1
 
     device = input_ids.device
     batch_size, prompt_length = input_ids.shape
@@ -696,9 +763,7 @@ def generate(
 
     step = num_forward_passes = 0
     bar = tqdm(total=config.num_steps, desc="Denoising", disable=not progress_bar)
-    while not finished.all():
-        if step in record_steps:
-            recorded[step] = sequence.clone()
+    while True:
         masked = completion == mask_token_id
 
         # Each row decodes the first block that still has masks; rows may be in different blocks under `threshold`.
@@ -715,12 +780,35 @@ def generate(
             block_transfer_counts = torch.where(entered_block[:, None], block_counts, block_transfer_counts)
 
         active_rows = (~finished).nonzero().squeeze(1)
+        refresh = entered_block[active_rows]
+        if lockstep:
+            # Every process makes as many model calls per step as the busiest one, and steps until all are finished:
+            # under FSDP or ZeRO-3 each forward gathers parameters in collectives that every process must join.
+            num_calls = 0
+            if len(active_rows) > 0:
+                num_calls = 1 if cached_forward is None else cached_forward.num_calls(refresh)
+            num_calls = _max_over_processes(num_calls, device)
+            if num_calls == 0:
+                break
+        elif len(active_rows) == 0:
+            break
+        if len(active_rows) == 0:
+            # Finished here but not everywhere: idle passes only, this process's step count stays its own.
+            _idle_forwards(model, adapter, sequence, num_calls)
+            num_forward_passes += num_calls
+            continue
+        if step in record_steps:
+            recorded[step] = sequence.clone()
+
+        block_start = prompt_length + block_index[active_rows] * block_length
         if cached_forward is None:
-            logits = [_Logits(adapter.logits(model, *model_inputs(active_rows), num_logits=max_completion_length))]
+            logits = [_full_pass(model, adapter, config, *model_inputs(active_rows), block_start)]
         else:
-            block_start = prompt_length + block_index[active_rows] * block_length
-            logits = cached_forward(active_rows, entered_block[active_rows], block_start)
+            logits = cached_forward(active_rows, refresh, block_start)
         num_forward_passes += len(logits)
+        if lockstep:
+            _idle_forwards(model, adapter, sequence, num_calls - len(logits))
+            num_forward_passes += num_calls - len(logits)
 
         # Everything below sees only the committable positions, shape (num_positions, vocab).
         candidate_logits = _select_logits(logits, committable[active_rows], config.cfg_scale)

@@ -12,9 +12,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 # Published ids of the model families we know by `config.model_type`. A config field or the tokenizer wins over these.
-KNOWN_MASK_TOKEN_IDS = {"llada": 126336, "Dream": 151666}
+KNOWN_MASK_TOKEN_IDS = {"llada": 126336, "Dream": 151666, "sdar": 151669, "sdar_moe": 151669}
 # LLaDA ends a turn with <|eot_id|> and pads with <|endoftext|>; Dream ends a turn with <|im_end|>.
-KNOWN_TERMINATOR_IDS = {"llada": (126081, 126348), "Dream": (151643, 151645)}
+KNOWN_TERMINATOR_IDS = {
+    "llada": (126081, 126348),
+    "Dream": (151643, 151645),
+    "sdar": (151643, 151645),  # <|endoftext|>, <|im_end|> (SDAR's generation_config.json)
+    "sdar_moe": (151643, 151645),
+}
 # Dream and DiffuCoder start from autoregressive Qwen2.5 weights: the output at position i predicts token i + 1.
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 
@@ -143,7 +148,8 @@ class DiffusionAdapter:
         context_length (`int` or `None`):
             Longest canvas (prompt plus completion) the model accepts, from its config; `None` when unknown.
         accepts_logits_to_keep (`bool`):
-            Whether the model's forward takes `logits_to_keep`, so that only completion logits are computed.
+            Whether the model's forward takes `logits_to_keep` (an int, or a tensor of positions as transformers'
+            models take it), so that the output head runs only where logits are needed.
         cache_argument (`str` or `None`):
             Name of the forward argument that takes a transformers `Cache` (`"cache"`, or the older
             `"past_key_values"`); `None` when the model takes none, and the sampler's cached modes are refused.
@@ -265,6 +271,7 @@ class DiffusionAdapter:
         num_logits: int | None = None,
         cache: CanvasCache | None = None,
         cache_rows: torch.LongTensor | None = None,
+        logit_positions: torch.LongTensor | None = None,
     ) -> torch.Tensor:
         """Runs `model` on a (left-padded) canvas and returns logits aligned with the input positions.
 
@@ -287,10 +294,14 @@ class DiffusionAdapter:
             cache_rows (`torch.LongTensor` of shape `(batch,)`, *optional*):
                 The rows of a filled `cache` that this pass refreshes (default: the cache is (re)filled with this
                 batch).
+            logit_positions (`torch.LongTensor` of shape `(num_positions,)`, *optional*):
+                Return logits for these positions of every row only (instead of `num_logits`), computing the output
+                head at no others when the model accepts `logits_to_keep` as a tensor of positions (transformers'
+                models, the native LLaDA and Dream).
 
         Returns:
-            `torch.Tensor` of shape `(batch, num_logits or seq_len, vocab)`: index `i` holds the prediction for the
-            token at that position.
+            `torch.Tensor` of shape `(batch, num_logits or num_positions or seq_len, vocab)`: index `i` holds the
+            prediction for the token at the `i`-th returned position.
         """
         seq_len = input_ids.shape[1]
         kwargs = {"use_cache": False}
@@ -298,7 +309,14 @@ class DiffusionAdapter:
             kwargs["attention_mask"] = attention_mask
             kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         keep = None
-        if num_logits is not None and num_logits < seq_len:
+        if logit_positions is not None:
+            if num_logits is not None:
+                raise ValueError("Pass `num_logits` or `logit_positions`, not both.")
+            # A shifted model reads position i's prediction from output i - 1 (position 0's from output 0, as below).
+            keep = (logit_positions - 1).clamp(min=0) if self.shift_logits else logit_positions
+            if self.accepts_logits_to_keep:
+                kwargs["logits_to_keep"] = keep
+        elif num_logits is not None and num_logits < seq_len:
             # A shifted model reads position i's prediction from output i - 1: keep one more.
             keep = num_logits + 1 if self.shift_logits else num_logits
             if self.accepts_logits_to_keep:
@@ -315,6 +333,8 @@ class DiffusionAdapter:
                     "not go through `cache.update`, so it cannot decode with a cache. Use "
                     "`generation_cache='none'`."
                 )
+        if logit_positions is not None:
+            return logits if self.accepts_logits_to_keep else logits[:, keep]
         if keep is not None and logits.shape[1] != keep:
             logits = logits[:, -keep:]
         if self.shift_logits:
@@ -332,6 +352,7 @@ class DiffusionAdapter:
         start: torch.LongTensor,
         end: torch.LongTensor,
         cache_rows: torch.LongTensor | None = None,
+        logit_positions: torch.LongTensor | None = None,
     ) -> torch.Tensor:
         """Runs `model` on positions `start:end` of each row only, every other position being read from `cache`.
 
@@ -355,10 +376,14 @@ class DiffusionAdapter:
                 One past the last position to recompute in each row.
             cache_rows (`torch.LongTensor` of shape `(batch,)`, *optional*):
                 The cache rows of this batch, when it is not the cache's whole batch.
+            logit_positions (`torch.LongTensor` of shape `(num_positions,)`, *optional*):
+                Return logits for these positions of the canvas only (each in `start.min():end.max()`), computing the
+                output head at no others when the model accepts `logits_to_keep` as a tensor of positions.
 
         Returns:
             `torch.Tensor` of shape `(batch, end.max() - start.min(), vocab)`: index `j` holds the prediction for the
-            token at position `start.min() + j`.
+            token at position `start.min() + j`; with `logit_positions`, of shape `(batch, num_positions, vocab)`,
+            index `j` holding the prediction for `logit_positions[j]`.
         """
         if not cache.is_initialized:
             raise ValueError("The cache is empty: fill it with a full pass, `logits(..., cache=cache)`, first.")
@@ -373,10 +398,16 @@ class DiffusionAdapter:
             fresh = fresh[:, None, :, None]  # broadcast over heads and head dimensions
         kwargs = self._cache_kwargs(cache)
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, fed_first:last]
+        # Shifted or not, output j predicts position first + j (shifted: output j of the window fed from first - 1
+        # predicts position fed_first + j + 1), so the first `last - first` outputs are the window's.
+        keep = None if logit_positions is None else logit_positions - first
+        if keep is not None and self.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
         with cache._feeding(rows=cache_rows, window=slice(fed_first, last), fresh=fresh):
             logits = model(input_ids=input_ids[:, fed_first:last], attention_mask=attention_mask, **kwargs).logits
-        # Shifted: output j predicts position fed_first + j + 1, so the first `last - first` outputs are the window's.
-        return logits[:, : last - first]
+        if keep is None:
+            return logits[:, : last - first]
+        return logits if self.accepts_logits_to_keep else logits[:, keep]
 
     def _cache_kwargs(self, cache: CanvasCache) -> dict:
         if self.cache_argument is None:

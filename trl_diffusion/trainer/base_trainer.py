@@ -568,6 +568,8 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, TRLContractMix
                 adapter=self.adapter,
                 generator=generators,
                 progress_bar=self.args.generation_progress_bar,
+                # Rows finish at data-dependent steps: every process must make the same forwards (FSDP, ZeRO-3).
+                synchronize=self.accelerator.num_processes > 1,
             )
         mask_seeds = torch.tensor([derive_seed(key, ROW_MASKS) >> 2 for key in row_keys], dtype=torch.long)
         return rollout, mask_seeds.to(device)
