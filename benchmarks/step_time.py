@@ -22,6 +22,17 @@ prompts and sampler settings), so its spread across trainers shows how steady th
     python benchmarks/step_time.py --device cuda   # one GPU, ~318M-parameter model
     python benchmarks/step_time.py --smoke         # seconds: CI's check that the script runs
 
+`--samples-per-backward 1 2 4` times VRPO and BGPO once per value of BGPO's `mc_samples_per_backward` (k Monte Carlo
+samples stacked in one forward and backward) and reports BGPO / VRPO per k; each of these runs also measures, in a
+fresh process of its own, the memory of one update (`training_step` on one rollout batch, gradient checkpointing
+enabled as `Trainer.train` enables it): peak process memory above the step's start (`memory.PeakMemory`, with
+glibc's mmap threshold pinned as `memory.py` pins it) and peak bytes saved for backward. `--max-completion-length`,
+`--diffusion-steps`, `--generation-cache`, `--threshold` and `--gradient-checkpointing` override the preset's
+sampler and the trainers' defaults for every run; the fast-sampler row of docs/benchmarks.md is
+
+    python benchmarks/step_time.py --samples-per-backward 1 2 4 --max-completion-length 256 --diffusion-steps 128 \
+        --generation-cache dual --threshold 0.9 --name step_time_samples_per_backward
+
 Writes `<output-dir>/<name>.json` and `<name>.png` (default `benchmarks/results/step_time.*`) and prints the table.
 """
 
@@ -32,9 +43,10 @@ import functools
 import math
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
 from _common import (
     CLOCK_NAMES,
     COLORS,
@@ -55,7 +67,10 @@ from _common import (
     select_preset,
     set_threads,
 )
+from memory import PeakMemory, _fix_mmap_threshold
 from transformers import PrinterCallback, TrainerCallback
+
+from trl_diffusion.utils import SavedTensorsMeter
 
 PHASES = ("generation", "scoring", "update")
 PHASE_COLORS = {"generation": "tab:purple", "scoring": "tab:olive", "update": "tab:cyan"}
@@ -63,7 +78,7 @@ PHASE_COLORS = {"generation": "tab:purple", "scoring": "tab:olive", "update": "t
 SETTINGS = {
     "diffu_grpo": ("num_iterations", "beta", "p_mask_prompt"),
     "vrpo": ("num_mc_samples", "num_iterations", "beta"),
-    "bgpo": ("num_mc_samples", "num_iterations", "beta"),
+    "bgpo": ("num_mc_samples", "mc_samples_per_backward", "num_iterations", "beta"),
     "espo": ("num_mc_samples", "mask_sampler", "num_iterations", "beta"),
     "lfpo": ("lfpo_num_states", "lfpo_group_size", "num_iterations"),
 }
@@ -138,8 +153,9 @@ def time_trainer(job: dict) -> dict:
     config_class = TRAINERS[name][0]
     num_iterations = config_class.__dataclass_fields__["num_iterations"].default
     steps = math.ceil(job["steps"] / num_iterations) * num_iterations
+    output_dir = Path(job["output_dir"]) / job["label"].replace(" ", "_")
     trainer = make_trainer(
-        name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]) / name, max_steps=1 + steps
+        name, Path(job["model_dir"]), rollout, device, output_dir, max_steps=1 + steps, **job["overrides"]
     )
     timer = PhaseTimer(trainer, device)
     trainer.add_callback(timer)
@@ -147,10 +163,40 @@ def time_trainer(job: dict) -> dict:
     trainer.train()
     return {
         "trainer": name,
+        "label": job["label"],
         "settings": {field: getattr(trainer.args, field) for field in SETTINGS[name]},
         "gradient_checkpointing": trainer.args.gradient_checkpointing,
         "steps": timer.steps[1:],
     }
+
+
+def measure_update_memory(job: dict) -> dict:
+    """Worker: the memory of one update of `job["trainer"]` (`training_step`, forward and backward, no optimiser
+    step) on one rollout batch it generates first, with advantages +1 / -1: peak process memory above the step's
+    start and peak bytes saved for backward (with gradient checkpointing, only what the checkpointed blocks keep)."""
+    set_threads(job["threads"])
+    device = job["device"]
+    if device == "cpu":
+        _fix_mmap_threshold()
+    rollout = RolloutSize(**job["rollout"])
+    output_dir = Path(job["output_dir"]) / f"memory_{job['label'].replace(' ', '_')}"
+    trainer = make_trainer(job["trainer"], Path(job["model_dir"]), rollout, device, output_dir, **job["overrides"])
+    trainer.current_gradient_accumulation_steps = 1
+    rows = [trainer.train_dataset[index // rollout.num_generations] for index in range(rollout.rows)]
+    batch = trainer._generate_and_score_completions(rows)
+    batch["advantages"] = torch.tensor(
+        [(-1.0) ** row for row in range(rollout.rows)], device=trainer.accelerator.device
+    )
+    batch["inner_iteration"] = 0
+    trainer._prepare_inputs = lambda inputs: inputs  # the batch as given: no rollout inside the step
+    if trainer.args.gradient_checkpointing:  # as `Trainer.train` enables it
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+        )
+    trainer.model.train()
+    with PeakMemory(device) as process, SavedTensorsMeter() as saved:
+        trainer.training_step(trainer.model, batch)
+    return {"process_peak_bytes": process.peak_bytes, "saved_peak_bytes": saved.peak_bytes}
 
 
 def mean_per_step(steps: list[dict]) -> dict:
@@ -161,7 +207,7 @@ def merge_rounds(runs: list[dict]) -> dict:
     """One trainer's runs (one per round) as one result: means over every measured step, and each round's means."""
     steps = [step for run in runs for step in run["steps"]]
     return {
-        **{key: runs[0][key] for key in ("trainer", "settings", "gradient_checkpointing")},
+        **{key: runs[0][key] for key in ("trainer", "label", "settings", "gradient_checkpointing")},
         "measured_steps": len(steps),
         "rollouts": sum(step["rollouts"] for step in steps),
         "mean_seconds_per_step": mean_per_step(steps),
@@ -170,14 +216,14 @@ def merge_rounds(runs: list[dict]) -> dict:
     }
 
 
-def plot(results: list[dict], ratio: dict | None, device: str, path: Path) -> None:
+def plot(results: list[dict], subtitle: str | None, device: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(9, 5))
-    names = [LABELS[result["trainer"]] for result in results]
+    names = [result["label"] for result in results]
     bottom = [0.0] * len(results)
     for phase in PHASES:
         values = [result["mean_seconds_per_step"][phase] for result in results]
@@ -212,8 +258,8 @@ def plot(results: list[dict], ratio: dict | None, device: str, path: Path) -> No
     axis.set_ylabel(f"{unit} per optimiser step (mean)")
     axis.set_ylim(0, max(bottom) * 1.15)
     title = "Time per training step by phase, each trainer at its defaults"
-    if ratio:
-        title += f"\nBGPO (n_t 16) / VRPO (n_t 4): x{ratio['total']:.2f} per step, x{ratio['update']:.2f} update phase"
+    if subtitle:
+        title += f"\n{subtitle}"
     axis.set_title(title, fontsize=11)
     axis.legend(loc="upper left")
     axis.grid(True, axis="y", alpha=0.3)
@@ -230,6 +276,7 @@ def describe(settings: dict) -> str:
         "num_iterations": "mu",
         "lfpo_num_states": "K",
         "lfpo_group_size": "block",
+        "mc_samples_per_backward": "k",
         "mask_sampler": "",
         "p_mask_prompt": "p_mask",
     }
@@ -243,7 +290,61 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, help="Rounds, each running every trainer in turn (default: the preset's, 2 on CPU)."
     )
+    parser.add_argument(
+        "--samples-per-backward",
+        type=int,
+        nargs="+",
+        metavar="K",
+        help="Time VRPO, and BGPO once per K (its mc_samples_per_backward), instead of --trainers; report BGPO / "
+        "VRPO per K and the memory of one update of each.",
+    )
+    parser.add_argument("--max-completion-length", type=int, help="Canvas length L (default: the preset's).")
+    parser.add_argument("--diffusion-steps", type=int, help="Denoising steps of a rollout (default: the preset's).")
+    parser.add_argument(
+        "--generation-cache", choices=("none", "prefix", "dual"), help="The sampler's cache (default: none)."
+    )
+    parser.add_argument("--threshold", type=float, help="Fast-dLLM confidence threshold (default: none).")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=("true", "false"),
+        help="Override the trainers' gradient_checkpointing (default: TRL's, true).",
+    )
     return parser.parse_args(argv)
+
+
+def planned_runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """`(label, trainer, config overrides)` of every timed run of one round."""
+    if not args.samples_per_backward:
+        return [(LABELS[name], name, {}) for name in args.trainers]
+    return [(LABELS["vrpo"], "vrpo", {})] + [
+        (f"{LABELS['bgpo']} k={k}", "bgpo", {"mc_samples_per_backward": k}) for k in args.samples_per_backward
+    ]
+
+
+def common_overrides(args: argparse.Namespace) -> dict:
+    """The config fields every run takes from the command line."""
+    overrides = {}
+    if args.generation_cache is not None:
+        overrides["generation_cache"] = args.generation_cache
+    if args.threshold is not None:
+        overrides["threshold"] = args.threshold
+    if args.gradient_checkpointing is not None:
+        overrides["gradient_checkpointing"] = args.gradient_checkpointing == "true"
+    return overrides
+
+
+def over_vrpo(result: dict, vrpo: dict) -> dict:
+    """A BGPO run's time per step and update phase over VRPO's, overall and per round."""
+    bgpo_mean, vrpo_mean = result["mean_seconds_per_step"], vrpo["mean_seconds_per_step"]
+    return {
+        "bgpo_num_mc_samples": result["settings"]["num_mc_samples"],
+        "mc_samples_per_backward": result["settings"]["mc_samples_per_backward"],
+        "vrpo_num_mc_samples": vrpo["settings"]["num_mc_samples"],
+        **{key: bgpo_mean[key] / vrpo_mean[key] for key in ("total", "update")},
+        "rounds": [
+            {key: b[key] / v[key] for key in ("total", "update")} for b, v in zip(result["rounds"], vrpo["rounds"])
+        ],
+    }
 
 
 def main(argv=None) -> dict:
@@ -253,6 +354,13 @@ def main(argv=None) -> dict:
     context = fresh_process_context(device)
     unit = "CPU s" if device == "cpu" else "s"
     started = time.perf_counter()
+    rollout = replace(
+        preset.rollout,
+        max_completion_length=args.max_completion_length or preset.rollout.max_completion_length,
+        diffusion_steps=args.diffusion_steps or preset.rollout.diffusion_steps,
+    )
+    overrides = common_overrides(args)
+    plan = planned_runs(args)
 
     with tempfile.TemporaryDirectory(prefix="trl-diffusion-step-time-") as scratch:
         scratch = Path(scratch)
@@ -260,73 +368,76 @@ def main(argv=None) -> dict:
         job = {
             "model_dir": str(model_dir),
             "output_dir": str(scratch / "trainer"),
-            "rollout": asdict(preset.rollout),
+            "rollout": asdict(rollout),
             "device": device,
             "threads": args.threads if device == "cpu" else None,
             "steps": args.steps or preset.steps,
         }
-        runs = {name: [] for name in args.trainers}
+        runs = {label: [] for label, _, _ in plan}
         # Round-robin: a change of load on a shared machine is spread over the trainers instead of hitting one.
         for round_index in range(rounds):
-            for name in args.trainers:
-                run = run_in_fresh_process(context, time_trainer, {**job, "trainer": name})
-                runs[name].append(run)
+            for label, name, own in plan:
+                run_job = {**job, "trainer": name, "label": label, "overrides": {**overrides, **own}}
+                run = run_in_fresh_process(context, time_trainer, run_job)
+                runs[label].append(run)
                 mean = mean_per_step(run["steps"])
                 print(
-                    f"round {round_index + 1}/{rounds} {LABELS[name]:>14}: {mean['total']:.2f} {unit} per step "
+                    f"round {round_index + 1}/{rounds} {label:>14}: {mean['total']:.2f} {unit} per step "
                     f"(generation {mean['generation']:.2f}, scoring {mean['scoring']:.2f}, update "
                     f"{mean['update']:.2f}) over {len(run['steps'])} steps"
                 )
-        results = [merge_rounds(runs[name]) for name in args.trainers]
+        results = [merge_rounds(runs[label]) for label, _, _ in plan]
+        if args.samples_per_backward:
+            for result, (label, name, own) in zip(results, plan):
+                memory_job = {**job, "trainer": name, "label": label, "overrides": {**overrides, **own}}
+                result["update_memory"] = run_in_fresh_process(context, measure_update_memory, memory_job)
         model = model_description(model_dir)
 
-    by_name = {result["trainer"]: result for result in results}
-    ratio = None
-    if {"bgpo", "vrpo"} <= by_name.keys():
-        bgpo, vrpo = (by_name[name]["mean_seconds_per_step"] for name in ("bgpo", "vrpo"))
-        ratio = {
-            "bgpo_num_mc_samples": by_name["bgpo"]["settings"]["num_mc_samples"],
-            "vrpo_num_mc_samples": by_name["vrpo"]["settings"]["num_mc_samples"],
-            **{key: bgpo[key] / vrpo[key] for key in ("total", "update")},
-            "rounds": [
-                {key: b[key] / v[key] for key in ("total", "update")}
-                for b, v in zip(by_name["bgpo"]["rounds"], by_name["vrpo"]["rounds"])
-            ],
-        }
+    vrpo = next((result for result in results if result["trainer"] == "vrpo"), None)
+    ratios = [over_vrpo(result, vrpo) for result in results if result["trainer"] == "bgpo" and vrpo is not None]
     elapsed = time.perf_counter() - started
     rows = []
     for result in results:
         mean = result["mean_seconds_per_step"]
-        rows.append(
-            [
-                LABELS[result["trainer"]],
-                describe(result["settings"]),
-                f"{mean['generation']:.2f}",
-                f"{mean['scoring']:.2f}",
-                f"{mean['update']:.2f}",
-                f"{mean['total']:.2f}",
-                f"{result['rollouts']}/{result['measured_steps']}",
-            ]
-        )
+        row = [
+            result["label"],
+            describe(result["settings"]),
+            f"{mean['generation']:.2f}",
+            f"{mean['scoring']:.2f}",
+            f"{mean['update']:.2f}",
+            f"{mean['total']:.2f}",
+            f"{result['rollouts']}/{result['measured_steps']}",
+        ]
+        if args.samples_per_backward:
+            memory = result["update_memory"]
+            row += [f"{memory['process_peak_bytes'] / 2**20:.1f}", f"{memory['saved_peak_bytes'] / 2**20:.1f}"]
+        rows.append(row)
     phases = [f"{phase} ({unit})" for phase in (*PHASES, "step")]
     headers = ["trainer", "defaults", *phases, "rollouts/steps"]
+    if args.samples_per_backward:
+        headers += ["update peak (MiB)", "saved for backward (MiB)"]
     table = format_table(headers, rows)
     print("\n" + table + "\n")
-    if ratio:
+    for ratio in ratios:
         print(
-            f"BGPO (n_t {ratio['bgpo_num_mc_samples']}) / VRPO (n_t {ratio['vrpo_num_mc_samples']}): "
-            f"x{ratio['total']:.2f} per optimiser step, x{ratio['update']:.2f} in the update phase (rounds: "
+            f"BGPO (n_t {ratio['bgpo_num_mc_samples']}, k {ratio['mc_samples_per_backward']}) / VRPO (n_t "
+            f"{ratio['vrpo_num_mc_samples']}): x{ratio['total']:.2f} per optimiser step, x{ratio['update']:.2f} in "
+            "the update phase (rounds: "
             + ", ".join(f"x{r['total']:.2f} / x{r['update']:.2f}" for r in ratio["rounds"])
             + ")"
         )
     print(f"total {elapsed:.0f} s")
+    subtitle = "BGPO / VRPO per step: " + ", ".join(
+        f"k {ratio['mc_samples_per_backward']} x{ratio['total']:.2f}" for ratio in ratios
+    )
 
     payload = {
         "benchmark": "step_time",
         "preset": preset_name,
         "machine": machine_info(device, job["threads"]),
         "model": model,
-        "rollout": asdict(preset.rollout),
+        "rollout": asdict(rollout),
+        "overrides": overrides,
         "rounds": rounds,
         "task": "countdown",
         "clock": CLOCK_NAMES[device],
@@ -337,11 +448,12 @@ def main(argv=None) -> dict:
             "update": "the rest of the optimiser step: forward, backward, clipping, optimiser step",
         },
         "results": results,
-        "bgpo_over_vrpo": ratio,
+        # One BGPO run: its ratio (None without BGPO or VRPO); with --samples-per-backward, one per K.
+        "bgpo_over_vrpo": ratios if args.samples_per_backward else next(iter(ratios), None),
         "table": table,
         "seconds": round(elapsed, 1),
     }
-    return save_results(args, payload, plot, results, ratio, device)
+    return save_results(args, payload, plot, results, subtitle if ratios else None, device)
 
 
 if __name__ == "__main__":

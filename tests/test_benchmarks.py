@@ -89,6 +89,23 @@ def test_step_time_smoke(tmp_path):
     assert ratio["total"] > 0 and ratio["update"] > 0
 
 
+def test_step_time_samples_per_backward_smoke(tmp_path):
+    """`--samples-per-backward`: VRPO and one BGPO run per K, with the sampler overrides, a ratio and the memory of
+    one update for each."""
+    argv = ["--smoke", "--output-dir", str(tmp_path), "--samples-per-backward", "1", "2", "--generation-cache", "dual"]
+    step_time.main([*argv, "--threshold", "0.9", "--gradient-checkpointing", "false"])
+    payload = load_outputs(tmp_path, "step_time")
+    assert [result["label"] for result in payload["results"]] == ["VRPO", "BGPO k=1", "BGPO k=2"]
+    assert payload["overrides"] == {"generation_cache": "dual", "threshold": 0.9, "gradient_checkpointing": False}
+    assert [ratio["mc_samples_per_backward"] for ratio in payload["bgpo_over_vrpo"]] == [1, 2]
+    for result in payload["results"]:
+        assert result["gradient_checkpointing"] is False
+        assert result["update_memory"]["process_peak_bytes"] > 0 and result["update_memory"]["saved_peak_bytes"] > 0
+    # Two samples stacked in one forward save about twice what one does.
+    saved = [result["update_memory"]["saved_peak_bytes"] for result in payload["results"][1:]]
+    assert saved[1] == pytest.approx(2 * saved[0], rel=0.1)
+
+
 def test_throughput_smoke(tmp_path):
     throughput.main(["--smoke", "--output-dir", str(tmp_path)])
     payload = load_outputs(tmp_path, "throughput")
