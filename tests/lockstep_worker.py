@@ -6,14 +6,15 @@ Run under torchrun (gloo), each rank decodes its own prompts in every scenario t
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/lockstep_worker.py --output-dir OUT
 
-The synchronised model joins an all-reduce at every forward, as FSDP's parameter all-gathers make every forward a
-collective: a process that made fewer model calls than another would leave that one waiting (until the process
-group's timeout) instead of finishing.
+The synchronised model joins a collective at every forward: an all-reduce of its own, or, in the `fsdp2_` scenario,
+the all-gathers of the model sharded with torch's FSDP2. A process that made fewer model calls than another would
+leave that one waiting (until the process group's timeout) instead of finishing.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 
@@ -34,6 +35,8 @@ SCENARIOS = {
     # Rank 1's cached steps often make two calls (rows entering a block and rows in one), rank 0's one.
     "threshold_dual": ("mixed", {"threshold": 0.3, "early_stop": True, "generation_cache": "dual"}),
     "threshold_prefix": ("idle", {"threshold": 0.5, "early_stop": True, "generation_cache": "prefix"}),
+    # The model sharded with FSDP2: its own all-gathers are the collectives.
+    "fsdp2_threshold": ("mixed", {"threshold": 0.3, "early_stop": True}),
 }
 
 
@@ -53,19 +56,34 @@ class EndsOnBang(torch.nn.Module):
         return output
 
 
-class CollectiveModel(torch.nn.Module):
-    """Forwards to `module` after an all-reduce over the process group (FSDP's all-gathers in miniature); counts its
-    calls."""
+class CountingModel(torch.nn.Module):
+    """Forwards to `module`, with `collective`, after an all-reduce over the process group (FSDP's all-gathers in
+    miniature); counts its calls."""
 
-    def __init__(self, module):
+    def __init__(self, module, collective: bool):
         super().__init__()
-        self.module = module
+        self.module, self.collective = module, collective
         self.calls = 0
 
     def forward(self, input_ids, **kwargs):
         self.calls += 1
-        dist.all_reduce(torch.zeros(1))
+        if self.collective:
+            dist.all_reduce(torch.zeros(1))
         return self.module(input_ids=input_ids, **kwargs)
+
+
+def fsdp2_sharded(model):
+    """A copy of the LLaDA `model` sharded over the processes with torch's FSDP2 (one unit per block, as the package's
+    `fsdp2` preset wraps it): every forward all-gathers the parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in sharded.model.transformer.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    return sharded
 
 
 def main():
@@ -85,6 +103,7 @@ def main():
     tokenizer = build_tiny_tokenizer()
     base = sharpened(build_tiny_llada(tokenizer, seed=0).eval())
     adapter = DiffusionAdapter.from_model(base, tokenizer)
+    sharded = fsdp2_sharded(base)
     results = {}
     for name, (prompt_set, settings) in SCENARIOS.items():
         messages = [[{"role": "user", "content": prompt}] for prompt in PROMPTS[prompt_set][rank]]
@@ -93,13 +112,12 @@ def main():
         )
         config = DiffusionGenerationConfig(max_completion_length=16, block_length=4, **settings)
         prompt_length = prompts["input_ids"].shape[1]
-        model = EndsOnBang(
-            base, tokenizer.convert_tokens_to_ids("!"), tokenizer.eos_token_id, prompt_length, prompt_length + 16
-        )
-        collective = CollectiveModel(model)
-        synchronised = generate(collective, **prompts, generation_config=config, adapter=adapter, synchronize=True)
-        alone = generate(model, **prompts, generation_config=config, adapter=adapter)
-        results[name] = {"synchronised": synchronised, "alone": alone, "calls": collective.calls}
+        bang_ids = (tokenizer.convert_tokens_to_ids("!"), tokenizer.eos_token_id, prompt_length, prompt_length + 16)
+        fsdp2 = name.startswith("fsdp2")
+        counting = CountingModel(EndsOnBang(sharded if fsdp2 else base, *bang_ids), collective=not fsdp2)
+        synchronised = generate(counting, **prompts, generation_config=config, adapter=adapter, synchronize=True)
+        alone = generate(EndsOnBang(base, *bang_ids), **prompts, generation_config=config, adapter=adapter)
+        results[name] = {"synchronised": synchronised, "alone": alone, "calls": counting.calls}
     torch.save(results, os.path.join(args.output_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -1,5 +1,7 @@
 """Synchronised denoising keeps processes in lockstep: two CPU processes (gloo) whose rows finish at different steps
-make the same number of model calls, and each decodes its rows exactly as it does alone."""
+make the same number of model calls, with a model that joins a collective at every forward or one sharded with
+FSDP2, and each decodes its rows exactly as it does alone. (Unsynchronised, the FSDP2 scenario fails: the process
+that finishes first leaves the other waiting in an all-gather.)"""
 
 from pathlib import Path
 
@@ -14,7 +16,7 @@ LOCKSTEP_WORKER = Path(__file__).with_name("lockstep_worker.py")
 
 
 def test_synchronised_processes_make_the_same_model_calls_and_decode_as_alone(tmp_path):
-    # The worker's model joins an all-reduce at every forward: a missed call times out (60 s) instead of passing.
+    # Every forward of the worker's models is collective: a missed call fails or times out (60 s) instead of passing.
     ranks = run_ddp_worker(tmp_path, 2, worker=LOCKSTEP_WORKER, timeout=240)
     for name in ranks[0]:
         runs = [rank[name] for rank in ranks]
@@ -26,7 +28,8 @@ def test_synchronised_processes_make_the_same_model_calls_and_decode_as_alone(tm
                 )
             assert synchronised.num_forward_passes == run["calls"]
         # Alone, the processes need different numbers of model calls; synchronised, both make at least the most of
-        # them (exactly that when rank 0 is finished while rank 1 still decodes).
+        # them: exactly that, except with the dual cache where rank 0 may need two calls at a step where rank 1
+        # needs one.
         alone_calls = [run["alone"].num_forward_passes for run in runs]
         assert alone_calls[0] < alone_calls[1], name
         assert runs[0]["calls"] == runs[1]["calls"] >= max(alone_calls), name
