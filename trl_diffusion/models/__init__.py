@@ -1,8 +1,9 @@
 """Model support: the adapter every component drives models through (and its key/value cache for the sampler), native
 LLaDA and Dream, tiny builders.
 
-Importing this package registers `model_type="llada"` and `model_type="Dream"` with the transformers Auto classes, so
-`AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without `trust_remote_code`.
+Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"` and `"sdar_moe"` with the transformers Auto
+classes, so `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without
+`trust_remote_code`.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -17,7 +18,22 @@ from .llada import (
     LLaDAModelLM,
     LLaDAPreTrainedModel,
 )
-from .tiny import build_tiny_bidirectional_llama, build_tiny_dream, build_tiny_llada, build_tiny_tokenizer
+from .sdar import (
+    SDAR_LORA_TARGET_MODULES,
+    SDAR_MOE_LORA_TARGET_MODULES,
+    SDARConfig,
+    SDARForCausalLM,
+    SDARMoeConfig,
+    SDARMoeForCausalLM,
+)
+from .tiny import (
+    build_tiny_bidirectional_llama,
+    build_tiny_dream,
+    build_tiny_llada,
+    build_tiny_sdar,
+    build_tiny_sdar_moe,
+    build_tiny_tokenizer,
+)
 
 # The published auto_maps send both AutoModel and AutoModelForCausalLM to the model with the head.
 AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
@@ -26,6 +42,10 @@ AutoModelForCausalLM.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
 AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
 AutoModel.register(DreamConfig, DreamModel, exist_ok=True)
 AutoModelForCausalLM.register(DreamConfig, DreamModel, exist_ok=True)
+for config_class, model_class in ((SDARConfig, SDARForCausalLM), (SDARMoeConfig, SDARMoeForCausalLM)):
+    AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModel.register(config_class, model_class, exist_ok=True)
+    AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 __all__ = [
     "DREAM_LORA_TARGET_MODULES",
@@ -41,9 +61,17 @@ __all__ = [
     "LLaDAModel",
     "LLaDAModelLM",
     "LLaDAPreTrainedModel",
+    "SDAR_LORA_TARGET_MODULES",
+    "SDAR_MOE_LORA_TARGET_MODULES",
+    "SDARConfig",
+    "SDARForCausalLM",
+    "SDARMoeConfig",
+    "SDARMoeForCausalLM",
     "build_tiny_bidirectional_llama",
     "build_tiny_dream",
     "build_tiny_llada",
+    "build_tiny_sdar",
+    "build_tiny_sdar_moe",
     "build_tiny_tokenizer",
     "unwrap_model",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .dream import DREAM_LORA_TARGET_MODULES
 from .llada import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
+from .sdar import SDAR_LORA_TARGET_MODULES, SDAR_MOE_LORA_TARGET_MODULES
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class LoraRule:
 LORA_RULES: dict[str, LoraRule] = {
     "llada": LoraRule(LLADA_LORA_TARGET_MODULES, exclude_modules=LLADA_LORA_EXCLUDE_MODULES, causal_lm_task=False),
     "Dream": LoraRule(DREAM_LORA_TARGET_MODULES),
+    "sdar": LoraRule(SDAR_LORA_TARGET_MODULES),
+    # The experts are fused 3-D parameters, not linear layers; the router (`mlp.gate`) stays frozen.
+    "sdar_moe": LoraRule(SDAR_MOE_LORA_TARGET_MODULES),
 }
 
 

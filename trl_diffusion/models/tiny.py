@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .dream import DreamConfig, DreamModel
 from .llada import LLaDAConfig, LLaDAModelLM
+from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -234,4 +235,111 @@ def build_tiny_dream(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         max_window_layers=num_hidden_layers,
+    )
+
+
+def build_tiny_sdar(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    block_size: int = 4,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> SDARForCausalLM:
+    """A randomly initialised native SDAR (Qwen3 with q/k norms, grouped-query attention, block-causal attention in
+    blocks of `block_size`, unshifted logits) at toy sizes.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size (`int`):
+            Qwen3 sizes.
+        block_size (`int`):
+            Positions per attention block.
+        max_position_embeddings (`int`):
+            The context length the adapter enforces.
+        seed (`int`):
+            Seed of a private generator for the initial weights (the global RNG is left alone).
+        dtype (`torch.dtype`):
+            Parameter dtype.
+    """
+    return _build_tiny_model(
+        SDARForCausalLM,
+        SDARConfig,
+        tokenizer,
+        seed,
+        dtype,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        block_size=block_size,
+        max_position_embeddings=max_position_embeddings,
+        max_window_layers=num_hidden_layers,
+    )
+
+
+def build_tiny_sdar_moe(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    block_size: int = 4,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> SDARMoeForCausalLM:
+    """A randomly initialised native SDAR-MoE (Qwen3-MoE: softmax top-k router, renormalised, no shared expert;
+    block-causal attention) at toy sizes, its experts run by the eager kernel (the default grouped kernel refuses
+    some CPU dtypes).
+
+    Args:
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (`int`):
+            Attention sizes.
+        num_experts, num_experts_per_tok, moe_intermediate_size (`int`):
+            The mixture of experts of every layer.
+        block_size (`int`):
+            Positions per attention block.
+        max_position_embeddings (`int`):
+            The context length the adapter enforces.
+        seed (`int`):
+            Seed of a private generator for the initial weights (the global RNG is left alone).
+        dtype (`torch.dtype`):
+            Parameter dtype.
+    """
+    return _build_tiny_model(
+        SDARMoeForCausalLM,
+        SDARMoeConfig,
+        tokenizer,
+        seed,
+        dtype,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=4 * moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        block_size=block_size,
+        max_position_embeddings=max_position_embeddings,
+        max_window_layers=num_hidden_layers,
+        experts_implementation="eager",
     )

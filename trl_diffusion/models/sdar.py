@@ -1,0 +1,237 @@
+"""Native SDAR and TraDo (JetLM/SDAR-*-Chat, Gen-Verse/TraDo-*) and SDAR-30B-A3B for transformers 5, without
+`trust_remote_code`.
+
+SDAR is Qwen3 (SDAR-30B-A3B: Qwen3-MoE) run as a block-diffusion model: identical parameter names and shapes, so
+the published checkpoints load into `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` modules unchanged (transformers fuses
+the MoE experts at load and writes the per-expert layout back at save), and block-causal attention: full attention
+inside a block of `block_size` positions, causal across blocks. Blocks are counted from each row's first real token
+(the position ids `cumsum(attention_mask) - 1` the package passes), the grid SDAR, JetEngine and LLaDA2 decode on, so
+a left-padded row attends exactly as it does alone. The outputs are aligned with the inputs (not shifted).
+
+What is not here yet: decoding against a key/value cache (SDAR's block-by-block sampler) and the block-diffusion
+ELBO over the `[noisy | clean]` composite input; a forward with a cache is refused.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+from huggingface_hub.dataclasses import strict
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.masking_utils import create_bidirectional_mask
+
+SDAR_MASK_TOKEN_ID = 151669  # <|MASK|>
+SDAR_BLOCK_SIZE = 4
+# Recommended LoRA targets: every attention and dense MLP projection of the decoder layers (the head is `lm_head`).
+# SDAR-MoE's experts are fused 3-D parameters in transformers 5, not linear layers: LoRA adapts its attention; the
+# router (`mlp.gate`) stays frozen.
+SDAR_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SDAR_MOE_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def block_causal_mask(
+    config,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor,
+    block_size: int,
+):
+    """The attention mask of a block-causal model, in the format the configured attention implementation takes
+    (a boolean 4-D tensor for SDPA, an additive one for eager): position q attends to key k when k is a real token
+    and `block(q) >= block(k)`, with `block(i) = position_ids[i] // block_size`.
+
+    Args:
+        config:
+            The model config (its attention implementation; `is_causal` must be `False`).
+        inputs_embeds (`torch.Tensor` of shape `(batch, seq_len, hidden)`):
+            The input embeddings (their shape, dtype and device).
+        attention_mask (`torch.Tensor` of shape `(batch, seq_len)`, *optional*):
+            1 for real tokens, 0 for padding.
+        position_ids (`torch.LongTensor` of shape `(batch or 1, seq_len)`):
+            Positions counted from each row's first real token.
+        block_size (`int`):
+            Positions per block.
+    """
+    blocks = torch.div(position_ids, block_size, rounding_mode="floor").expand(inputs_embeds.shape[0], -1)
+
+    def same_or_earlier_block(batch_idx, head_idx, q_idx, kv_idx):
+        return blocks[batch_idx, q_idx] >= blocks[batch_idx, kv_idx]
+
+    return create_bidirectional_mask(
+        config,
+        inputs_embeds,
+        attention_mask,
+        and_mask_function=same_or_earlier_block,
+        allow_is_bidirectional_skip=False,
+    )
+
+
+class BlockCausalMixin:
+    """The forward of a block-causal model on a Qwen3-family `...ForCausalLM`: builds the block-causal mask from the
+    2-D padding mask and the position ids (from the padding mask when not given) and hands it to the base model."""
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        if (
+            kwargs.get("cache") is not None
+            or kwargs.get("past_key_values") is not None
+            or kwargs.pop("use_cache", None)
+        ):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not decode against a key/value cache yet: call it without `cache` / "
+                "`use_cache` (the package's sampler does, with `generation_cache='none'`)."
+            )
+        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
+            mask = attention_mask  # built by the caller
+        else:
+            if inputs_embeds is None:
+                inputs_embeds = self.get_input_embeddings()(input_ids)
+                input_ids = None
+            if position_ids is None:
+                if attention_mask is None:
+                    position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None]
+                else:
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            # A 4-D mask passes through the base models' mask preparation unchanged (Qwen3-MoE takes no dict).
+            mask = block_causal_mask(self.config, inputs_embeds, attention_mask, position_ids, self.config.block_size)
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            **kwargs,
+        )
+
+
+@strict
+class SDARConfig(Qwen3Config):
+    r"""
+    Configuration of an SDAR (or TraDo) model: a [`Qwen3Config`] whose defaults are the published SDAR-8B-Chat values,
+    with the diffusion mask token, the block size and block-causal attention. The published `config.json` loads as
+    is (its training-code switches, such as `fuse_cross_entropy` or `micro_forward`, are kept as unused attributes).
+
+    Args:
+        mask_token_id (`int`, *optional*, defaults to 151669):
+            `<|MASK|>`, the diffusion mask token (the published configs may omit it).
+        block_size (`int`, *optional*, defaults to 4):
+            Positions per attention block (4 for SDAR-*-Chat and TraDo; the -b8 ... -b64 variants were fine-tuned at
+            8 to 64; the published configs may omit it, so set it for those).
+        kwargs:
+            Every [`Qwen3Config`] field. `is_causal` is always `False`: attention is block-causal, built by the model.
+    """
+
+    model_type = "sdar"
+    auto_map = MappingProxyType({})
+    default_theta = 1_000_000.0
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    head_dim: int | None = 128
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    use_cache: bool = False
+    pad_token_id: int | None = 151643
+    bos_token_id: int | None = 151643
+    eos_token_id: int | list[int] | None = 151643
+    mask_token_id: int | None = SDAR_MASK_TOKEN_ID
+    block_size: int = SDAR_BLOCK_SIZE
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.is_causal = False
+        if self.block_size < 1:
+            raise ValueError(f"`block_size` must be a positive number of positions, got {self.block_size}.")
+
+
+@strict
+class SDARMoeConfig(Qwen3MoeConfig):
+    r"""
+    Configuration of SDAR-30B-A3B: a [`Qwen3MoeConfig`] whose defaults are the published SDAR-30B-A3B-Chat values
+    (128 experts, 8 per token, no shared expert), with the diffusion mask token, the block size and block-causal
+    attention.
+
+    Args:
+        mask_token_id (`int`, *optional*, defaults to 151669):
+            `<|MASK|>` (absent from the published config).
+        block_size (`int`, *optional*, defaults to 4):
+            Positions per attention block (absent from the published config).
+        kwargs:
+            Every [`Qwen3MoeConfig`] field. `is_causal` is always `False`.
+    """
+
+    model_type = "sdar_moe"
+    auto_map = MappingProxyType({})
+    default_theta = 1_000_000.0
+
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = 128
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    use_cache: bool = False
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    router_aux_loss_coef: float = 0.001
+    pad_token_id: int | None = 151643
+    bos_token_id: int | None = 151643
+    eos_token_id: int | list[int] | None = 151643
+    mask_token_id: int | None = SDAR_MASK_TOKEN_ID
+    block_size: int = SDAR_BLOCK_SIZE
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.is_causal = False
+        if self.block_size < 1:
+            raise ValueError(f"`block_size` must be a positive number of positions, got {self.block_size}.")
+
+
+class SDARForCausalLM(BlockCausalMixin, Qwen3ForCausalLM):
+    """SDAR / TraDo: `Qwen3ForCausalLM` with block-causal attention, loading the published checkpoints unchanged. Its
+    logits are aligned with the inputs: `logits[:, i]` predicts the token at position `i`.
+
+    Args:
+        config ([`SDARConfig`]):
+            The model configuration.
+    """
+
+    config_class = SDARConfig
+
+
+class SDARMoeForCausalLM(BlockCausalMixin, Qwen3MoeForCausalLM):
+    """SDAR-30B-A3B: `Qwen3MoeForCausalLM` with block-causal attention. The published per-expert checkpoint keys are
+    fused at load (and written back per expert at save) by transformers' Qwen2-MoE conversion, registered here for
+    `model_type="sdar_moe"`.
+
+    Args:
+        config ([`SDARMoeConfig`]):
+            The model configuration.
+    """
+
+    config_class = SDARMoeConfig
+
+
+register_checkpoint_conversion_mapping(
+    SDARMoeConfig.model_type, get_checkpoint_conversion_mapping("qwen3_moe"), overwrite=True
+)
