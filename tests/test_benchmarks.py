@@ -15,6 +15,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import demo_robustness  # noqa: E402
 import learning  # noqa: E402
 import memory  # noqa: E402
+import sampler_head  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
 
@@ -37,7 +38,7 @@ def load_outputs(directory: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "module", [learning, memory, step_time, throughput, check], ids=lambda module: module.__name__
+    "module", [learning, memory, sampler_head, step_time, throughput, check], ids=lambda module: module.__name__
 )
 def test_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -87,6 +88,15 @@ def test_step_time_smoke(tmp_path):
     ratio = payload["bgpo_over_vrpo"]
     assert ratio["bgpo_num_mc_samples"] == 16 and ratio["vrpo_num_mc_samples"] == 4
     assert ratio["total"] > 0 and ratio["update"] > 0
+
+
+def test_sampler_head_smoke(tmp_path):
+    sampler_head.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "sampler_head.json").read_text())
+    assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
+    assert [result["generation_cache"] for result in payload["results"]] == ["none", "prefix", "dual"]
+    for result in payload["results"]:
+        assert result["same_completions"] and result["speedup"] > 0 and result["forward_passes"] > 0
 
 
 def test_step_time_samples_per_backward_smoke(tmp_path):
