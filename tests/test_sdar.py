@@ -13,6 +13,7 @@ from trl_diffusion.models import (
     SDARForCausalLM,
     SDARMoeConfig,
     SDARMoeForCausalLM,
+    build_tiny_llada2,
     build_tiny_sdar,
     build_tiny_sdar_moe,
 )
@@ -186,10 +187,10 @@ def test_cached_forward_is_refused(tiny_tokenizer):
         model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True)
 
 
-@pytest.mark.parametrize("build", [build_tiny_sdar, build_tiny_sdar_moe])
+@pytest.mark.parametrize("build", [build_tiny_sdar, build_tiny_sdar_moe, build_tiny_llada2])
 def test_lora_rules_of_the_family(build, tiny_tokenizer):
-    """LoRA on the attention and dense MLP projections (SDAR) or the attention only (SDAR-MoE: its experts are fused
-    tensors); the router and everything else frozen."""
+    """LoRA on the attention and dense MLP projections (SDAR; LLaDA2: its dense first layer and shared experts) or
+    the attention only (SDAR-MoE: its experts are fused tensors); the router and everything else frozen."""
     from peft import get_peft_model
     from trl import ModelConfig
 

@@ -1,8 +1,8 @@
 """Model support: the adapter every component drives models through (and its key/value cache for the sampler), native
 LLaDA and Dream, tiny builders.
 
-Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"` and `"sdar_moe"` with the transformers Auto
-classes, so `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without
+Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"`, `"sdar_moe"` and `"llada2_moe"` with the
+transformers Auto classes, so `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without
 `trust_remote_code`.
 """
 
@@ -18,6 +18,7 @@ from .llada import (
     LLaDAModelLM,
     LLaDAPreTrainedModel,
 )
+from .llada2 import LLADA2_LORA_TARGET_MODULES, LLaDA2MoeConfig, LLaDA2MoeModelLM
 from .sdar import (
     SDAR_LORA_TARGET_MODULES,
     SDAR_MOE_LORA_TARGET_MODULES,
@@ -30,6 +31,7 @@ from .tiny import (
     build_tiny_bidirectional_llama,
     build_tiny_dream,
     build_tiny_llada,
+    build_tiny_llada2,
     build_tiny_sdar,
     build_tiny_sdar_moe,
     build_tiny_tokenizer,
@@ -42,7 +44,11 @@ AutoModelForCausalLM.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
 AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
 AutoModel.register(DreamConfig, DreamModel, exist_ok=True)
 AutoModelForCausalLM.register(DreamConfig, DreamModel, exist_ok=True)
-for config_class, model_class in ((SDARConfig, SDARForCausalLM), (SDARMoeConfig, SDARMoeForCausalLM)):
+for config_class, model_class in (
+    (SDARConfig, SDARForCausalLM),
+    (SDARMoeConfig, SDARMoeForCausalLM),
+    (LLaDA2MoeConfig, LLaDA2MoeModelLM),
+):
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(config_class, model_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
@@ -52,11 +58,14 @@ __all__ = [
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",
     "LLADA_LORA_EXCLUDE_MODULES",
+    "LLADA2_LORA_TARGET_MODULES",
     "LLADA_LORA_TARGET_MODULES",
     "CanvasCache",
     "DiffusionAdapter",
     "DreamConfig",
     "DreamModel",
+    "LLaDA2MoeConfig",
+    "LLaDA2MoeModelLM",
     "LLaDAConfig",
     "LLaDAModel",
     "LLaDAModelLM",
@@ -70,6 +79,7 @@ __all__ = [
     "build_tiny_bidirectional_llama",
     "build_tiny_dream",
     "build_tiny_llada",
+    "build_tiny_llada2",
     "build_tiny_sdar",
     "build_tiny_sdar_moe",
     "build_tiny_tokenizer",

@@ -12,13 +12,20 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 # Published ids of the model families we know by `config.model_type`. A config field or the tokenizer wins over these.
-KNOWN_MASK_TOKEN_IDS = {"llada": 126336, "Dream": 151666, "sdar": 151669, "sdar_moe": 151669}
+KNOWN_MASK_TOKEN_IDS = {
+    "llada": 126336,
+    "Dream": 151666,
+    "sdar": 151669,
+    "sdar_moe": 151669,
+    "llada2_moe": 156895,
+}
 # LLaDA ends a turn with <|eot_id|> and pads with <|endoftext|>; Dream ends a turn with <|im_end|>.
 KNOWN_TERMINATOR_IDS = {
     "llada": (126081, 126348),
     "Dream": (151643, 151645),
     "sdar": (151643, 151645),  # <|endoftext|>, <|im_end|> (SDAR's generation_config.json)
     "sdar_moe": (151643, 151645),
+    "llada2_moe": (156892,),  # <|endoftext|>; the id of its end-of-role token is not known here
 }
 # Dream and DiffuCoder start from autoregressive Qwen2.5 weights: the output at position i predicts token i + 1.
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})

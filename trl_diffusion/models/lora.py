@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .dream import DREAM_LORA_TARGET_MODULES
 from .llada import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
+from .llada2 import LLADA2_LORA_TARGET_MODULES
 from .sdar import SDAR_LORA_TARGET_MODULES, SDAR_MOE_LORA_TARGET_MODULES
 
 
@@ -42,6 +43,8 @@ LORA_RULES: dict[str, LoraRule] = {
     "sdar": LoraRule(SDAR_LORA_TARGET_MODULES),
     # The experts are fused 3-D parameters, not linear layers; the router (`mlp.gate`) stays frozen.
     "sdar_moe": LoraRule(SDAR_MOE_LORA_TARGET_MODULES),
+    # The dense first layer and the shared experts are linear layers; the routed experts are fused, the router frozen.
+    "llada2_moe": LoraRule(LLADA2_LORA_TARGET_MODULES),
 }
 
 

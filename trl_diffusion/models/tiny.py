@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .dream import DreamConfig, DreamModel
 from .llada import LLaDAConfig, LLaDAModelLM
+from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
 
 PAD_TOKEN = "<|pad|>"
@@ -343,3 +344,71 @@ def build_tiny_sdar_moe(
         max_window_layers=num_hidden_layers,
         experts_implementation="eager",
     )
+
+
+def build_tiny_llada2(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 3,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 96,
+    num_experts: int = 16,
+    n_group: int = 4,
+    topk_group: int = 2,
+    num_experts_per_tok: int = 4,
+    moe_intermediate_size: int = 32,
+    block_size: int = 4,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> LLaDA2MoeModelLM:
+    """A randomly initialised native LLaDA2 (GLM-4-MoE math: a dense first layer, then sigmoid group-limited routing
+    over `num_experts` in `n_group` groups with a shared expert; q/k norms, partial RoPE 0.5; block-causal attention)
+    at toy sizes, with a random non-zero expert-score bias (so that the bias's key map is exercised) and experts on the
+    eager kernel.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerFast`, *optional*):
+            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size (`int`):
+            Sizes (`intermediate_size`: the dense first layer).
+        num_experts, n_group, topk_group, num_experts_per_tok, moe_intermediate_size (`int`):
+            The mixture of experts of the other layers.
+        block_size (`int`):
+            Positions per attention block.
+        max_position_embeddings (`int`):
+            The context length the adapter enforces.
+        seed (`int`):
+            Seed of a private generator for the initial weights and the bias (the global RNG is left alone).
+        dtype (`torch.dtype`):
+            Parameter dtype.
+    """
+    model = _build_tiny_model(
+        LLaDA2MoeModelLM,
+        LLaDA2MoeConfig,
+        tokenizer,
+        seed,
+        dtype,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        num_experts=num_experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        block_size=block_size,
+        max_position_embeddings=max_position_embeddings,
+        experts_implementation="eager",
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return model
