@@ -295,7 +295,7 @@ class DiffusionGenerationOutput:
         num_forward_passes (`int`):
             Model calls made (a guided step is one batched call of twice the rows). With a cache, a step whose rows
             are at different points of their blocks (under `threshold` or `early_stop`) makes two: a full pass for
-            the rows entering a block and a cached pass for the others.
+            the rows entering a block and a cached pass for the others. With `synchronize`, the idle passes too.
         tokens_per_forward (`float`):
             Completion tokens committed per forward pass, `max_completion_length / steps_per_row` averaged over the
             rows.
@@ -822,7 +822,7 @@ def generate(
             stable_steps = torch.where(unchanged, stable_steps + 1, 1)
             previous_prediction = prediction
             del predicted_logits
-        del logits  # free the full logits before the float64 noise is drawn
+        del logits  # free the model's logits before the float64 noise is drawn
         # Committing the mask token would leave the position masked: it is never a proposal.
         candidate_logits[:, mask_token_id] = -math.inf
 
