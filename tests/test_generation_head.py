@@ -63,7 +63,7 @@ SETTINGS = [
     {"remasking": "entropy", "diffusion_steps": 12, "early_stop": True, "temperature": 0.7},
     {"remasking": "random", "diffusion_steps": 12, "temperature": 0.7},
     {"remasking": "random", "diffusion_steps": 12, "early_stop": True},
-    {"stop_patience": 2, "threshold": 0.3},  # reads the whole completion: the head runs there
+    {"stop_patience": 2, "threshold": 0.3},  # reads every masked position: the head runs from the first block on
 ]
 
 
@@ -96,11 +96,16 @@ def test_head_at_used_positions_equals_the_whole_sequence_head(sharp_model, chat
     assert len(recordings[0]) == len(recordings[1])
     for (inputs, kept, logits), (whole_inputs, whole_kept, whole_logits) in zip(*recordings):
         assert torch.equal(inputs, whole_inputs) and whole_kept is None
-        if "stop_patience" in settings:
-            assert not torch.is_tensor(kept)  # it reads every masked position: the head runs everywhere, as before
+        if "stop_patience" in settings and kept is None:
+            # A cached prefix pass: it feeds only the rows' blocks and what follows them, and keeps every logit.
+            assert cache == "prefix" and inputs.shape[1] < chat_prompts["input_ids"].shape[1] + GEN_LENGTH
             continue
-        # One block of positions for each block the call's rows are in.
-        assert len(kept) % BLOCK_LENGTH == 0 and len(kept) < GEN_LENGTH + int(adapter.shift_logits)
+        if "stop_patience" in settings:
+            # A full pass: from the first position of the call's first block to the end.
+            assert torch.equal(kept, torch.arange(int(kept[0]), inputs.shape[1] - int(adapter.shift_logits)))
+        else:
+            # One block of positions for each block the call's rows are in.
+            assert len(kept) % BLOCK_LENGTH == 0 and len(kept) < GEN_LENGTH + int(adapter.shift_logits)
         assert torch.equal(logits, whole_logits[:, kept])
 
 

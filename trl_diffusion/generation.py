@@ -429,23 +429,22 @@ def _full_pass(
     block_start,
     **kwargs,
 ) -> _Logits:
-    """A pass over the full sequence, with logits at the blocks starting at `block_start` (sequence positions), or at
-    the whole completion under `stop_patience`, which reads every masked position. `kwargs` go to `adapter.logits`."""
-    max_completion_length = config.max_completion_length
-    prompt_length = input_ids.shape[1] - max_completion_length
+    """A pass over the full sequence, with logits at the blocks starting at `block_start` (sequence positions), or,
+    under `stop_patience`, which reads every masked position, from the first of them to the end (nothing before a
+    row's block is masked). `kwargs` go to `adapter.logits`."""
     if config.stop_patience is None:
         positions = _block_positions(block_start, config.block_length)
-        logits = adapter.logits(model, input_ids, attention_mask, logit_positions=positions, **kwargs)
-        return _Logits(logits, positions - prompt_length)
-    logits = adapter.logits(model, input_ids, attention_mask, num_logits=max_completion_length, **kwargs)
-    return _Logits(logits, torch.arange(max_completion_length, device=logits.device))
+    else:
+        positions = torch.arange(int(block_start.min()), input_ids.shape[1], device=input_ids.device)
+    logits = adapter.logits(model, input_ids, attention_mask, logit_positions=positions, **kwargs)
+    return _Logits(logits, positions - (input_ids.shape[1] - config.max_completion_length))
 
 
 class _CachedForward:
     """The model calls of a cached step. A row entering a block gets a full pass that also refreshes its cache rows;
     the other rows get one pass over their block (`"dual"`), or their block and everything after it (`"prefix"`),
-    reading every other position from the cache. Logits are computed at the rows' blocks only (everywhere fed under
-    `stop_patience`, which reads the whole completion).
+    reading every other position from the cache. Logits are computed at the rows' blocks only (from the first block
+    on under `stop_patience`, which reads every masked position).
 
     The cache holds the rows still decoding, ordered as the active rows (then their unconditional copies under
     guidance); finished rows are dropped from it.
