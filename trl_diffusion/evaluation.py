@@ -299,6 +299,9 @@ def evaluate_task(
                 generation_config=generation_config,
                 adapter=adapter,
                 generator=generators,
+                # Every process runs the same batches (`_shard`); rows finish at data-dependent steps, and a sharded
+                # model's forwards are collective.
+                synchronize=num_processes > 1 and torch.distributed.is_initialized(),
             )
             cut = cut_at_terminator(output.completion_ids, adapter.terminator_ids)
             completion_ids.extend(cut)
