@@ -13,6 +13,12 @@ curve is each step's mean rollout reward.
 
     python benchmarks/learning.py            # CPU defaults (3 seeds, SFT 600 steps, RL 300 steps, 400 test prompts)
     python benchmarks/learning.py --smoke    # seconds: CI's check that the script runs
+    python benchmarks/learning.py --canvas 8 4 --rollouts fast   # an 8-token canvas in 2 blocks, fast rollouts
+
+`--canvas L B` SFTs, trains and evaluates on a canvas of L tokens in blocks of B (default: the task's 4 and 4).
+`--rollouts fast` decodes the training rollouts with the sampler's speed-ups (`FAST_ROLLOUTS`: early stop,
+threshold 0.9, the dual cache when there are several blocks, else the prefix cache); held-out accuracy is always the
+plain greedy decoding, so that the two settings are compared on the model they train, not on their sampler.
 
 Runs are spread over `--jobs` fresh processes (one torch thread each by default); the wall time of each trainer run
 (training only, without evaluation) is reported. Writes `<output-dir>/<name>.json` and `<name>.png` (default
@@ -55,6 +61,19 @@ LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
+
+# The training rollouts' speed-ups (`--rollouts fast`); the cache is chosen by the canvas.
+FAST_ROLLOUTS = {"early_stop": True, "threshold": 0.9}
+ROLLOUT_MODES = ("plain", "fast")
+
+
+def rollout_sampler(mode: str, max_completion_length: int, block_length: int) -> dict:
+    """The sampler fields of the training rollouts for `--rollouts mode`."""
+    if mode == "plain":
+        return {}
+    cache = "dual" if max_completion_length > block_length else "prefix"
+    return {**FAST_ROLLOUTS, "generation_cache": cache}
+
 
 # Fixed for every trainer: the budget and the comparability settings.
 RL_SETTINGS = {
@@ -102,18 +121,25 @@ PRESETS = {
 }
 
 
-def _accuracy(model, tokenizer, num_examples: int) -> float:
-    from trl_diffusion.demo import TASK, greedy_config
+def _accuracy(model, tokenizer, num_examples: int, canvas: tuple[int, int]) -> float:
+    from trl_diffusion.demo import TASK
     from trl_diffusion.evaluation import evaluate_task
+    from trl_diffusion.generation import DiffusionGenerationConfig
     from trl_diffusion.tasks import get_task
 
     task = get_task(TASK)
+    max_completion_length, block_length = canvas
     result = evaluate_task(
         model,
         tokenizer,
         task,
         num_examples=num_examples,
-        generation_config=greedy_config(task),
+        # The demo's greedy evaluation (one token per step) on the benchmark's canvas.
+        generation_config=DiffusionGenerationConfig(
+            max_completion_length=max_completion_length,
+            block_length=block_length,
+            diffusion_steps=max_completion_length,
+        ),
         batch_size=200,
         seed=0,  # the same test prompts for every seed and trainer
         progress_bar=False,
@@ -129,14 +155,18 @@ def sft_job(job: dict) -> dict:
     set_threads(job["threads"])
     start = time.perf_counter()
     sft, tokenizer, _, sft_dir = build_and_sft(
-        Path(job["dir"]), seed=job["seed"], sft_steps=job["sft_steps"], verbose=False
+        Path(job["dir"]),
+        seed=job["seed"],
+        sft_steps=job["sft_steps"],
+        max_completion_length=job["canvas"][0],
+        verbose=False,
     )
     seconds = time.perf_counter() - start
     return {
         "seed": job["seed"],
         "sft_dir": str(sft_dir),
         "sft_seconds": seconds,
-        "accuracy": _accuracy(sft.model, tokenizer, job["num_eval_examples"]),
+        "accuracy": _accuracy(sft.model, tokenizer, job["num_eval_examples"], job["canvas"]),
     }
 
 
@@ -152,14 +182,15 @@ def rl_job(job: dict) -> dict:
     task = get_task(TASK)
     name, seed = job["trainer"], job["seed"]
     config_class, trainer_class = TRAINERS[name]
-    sampler = {} if name in LEFT_TO_RIGHT else {"block_length": task.block_length}
+    max_completion_length, block_length = job["canvas"]
+    sampler = rollout_sampler(job["rollouts"], max_completion_length, block_length)
     if name not in LEFT_TO_RIGHT:
-        sampler["diffusion_steps"] = task.max_completion_length
+        sampler.update(block_length=block_length, diffusion_steps=max_completion_length)
     config = config_class(
         output_dir=job["output_dir"],
         max_steps=job["rl_steps"],
         learning_rate=job["learning_rate"],
-        max_completion_length=task.max_completion_length,
+        max_completion_length=max_completion_length,
         **sampler,
         logging_steps=1,
         report_to="none",
@@ -189,7 +220,12 @@ def rl_job(job: dict) -> dict:
         "seed": seed,
         "train_seconds": seconds,
         "rewards": rewards,
-        "accuracy": _accuracy(trainer.model, tokenizer, job["num_eval_examples"]),
+        "accuracy": _accuracy(trainer.model, tokenizer, job["num_eval_examples"], job["canvas"]),
+        "forward_passes": statistics.fmean(
+            entry["diffusion/forward_passes"]
+            for entry in trainer.state.log_history
+            if "diffusion/forward_passes" in entry
+        ),
         "objective": {field: getattr(config, field) for field in OBJECTIVE_FIELDS[name]},
     }
 
@@ -268,6 +304,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-eval-examples", type=int, help="Held-out test prompts (default: the preset's).")
     parser.add_argument("--learning-rate", type=float, help="RL learning rate of every trainer (default 1e-3).")
     parser.add_argument("--jobs", type=int, default=2, help="Runs in parallel, one fresh process each (default 2).")
+    parser.add_argument(
+        "--canvas",
+        nargs=2,
+        type=int,
+        metavar=("L", "B"),
+        help="Canvas length and block length of SFT, rollouts and evaluation (default: the task's, 4 and 4).",
+    )
+    parser.add_argument(
+        "--rollouts", choices=ROLLOUT_MODES, default="plain", help="Training rollouts' sampler (default plain)."
+    )
     return parser.parse_args(argv)
 
 
@@ -285,6 +331,11 @@ def _run_all(context, jobs: int, function, items: list[dict], describe) -> list[
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device, preset_name, preset = select_preset(args, PRESETS)
+    from trl_diffusion.demo import TASK
+    from trl_diffusion.tasks import get_task
+
+    task = get_task(TASK)
+    canvas = tuple(args.canvas) if args.canvas else (task.max_completion_length, task.block_length)
     settings = {
         "seeds": args.seeds or preset.seeds,
         "sft_steps": args.sft_steps or preset.sft_steps,
@@ -293,6 +344,9 @@ def main(argv=None) -> dict:
         "learning_rate": args.learning_rate or preset.learning_rate,
         "rl": RL_SETTINGS,
         "beta": {name: BETA[name] for name in args.trainers},
+        "canvas": canvas,
+        "rollouts": args.rollouts,
+        "rollout_sampler": rollout_sampler(args.rollouts, *canvas),
     }
     threads = args.threads if device == "cpu" else None
     context = fresh_process_context(device)
@@ -308,6 +362,7 @@ def main(argv=None) -> dict:
                 "sft_steps": settings["sft_steps"],
                 "num_eval_examples": settings["num_eval_examples"],
                 "threads": threads,
+                "canvas": canvas,
             }
             for seed in seeds
         ]
@@ -333,6 +388,8 @@ def main(argv=None) -> dict:
                 "num_eval_examples": settings["num_eval_examples"],
                 "device": device,
                 "threads": threads,
+                "canvas": canvas,
+                "rollouts": args.rollouts,
             }
             for run in sft_runs
             for name in args.trainers
@@ -364,8 +421,12 @@ def main(argv=None) -> dict:
             "accuracy_mean": accuracy_mean,
             "accuracy_std": accuracy_std,
             "train_seconds_mean": statistics.fmean(run["train_seconds"] for run in runs),
+            "forward_passes_mean": statistics.fmean(run["forward_passes"] for run in runs),
             "final_reward_mean": statistics.fmean(statistics.fmean(run["rewards"][-10:]) for run in runs),
-            "runs": [{key: run[key] for key in ("seed", "accuracy", "train_seconds", "rewards")} for run in runs],
+            "runs": [
+                {key: run[key] for key in ("seed", "accuracy", "train_seconds", "forward_passes", "rewards")}
+                for run in runs
+            ],
         }
     elapsed = time.perf_counter() - started
 
@@ -383,6 +444,7 @@ def main(argv=None) -> dict:
                 f"{100 * (result['accuracy_mean'] - sft_mean):+.1f}",
                 f"{result['final_reward_mean']:.2f}",
                 f"{result['train_seconds_mean']:.0f}",
+                f"{result['forward_passes_mean']:.1f}",
             ]
         )
     headers = [
@@ -392,6 +454,7 @@ def main(argv=None) -> dict:
         "change (points)",
         "reward (last 10 steps)",
         "wall s per run",
+        "denoiser passes per rollout batch",
     ]
     table = format_table(headers, rows)
     print("\n" + table + "\n")
