@@ -4,6 +4,11 @@
 Notation: y is a completion canvas of length L, R the scored region (n = |R| positions), and for a mask set
 M ⊆ R, `S(M) = sum_{i in M} log p(y_i | x, y with M masked)`. The ELBO is
 `B(y) = sum_{l=1..n} f(l) / l` with `f(l)` the mean of `S(M)` over the masks of size l.
+
+A block-causal model (SDAR, LLaDA2: `DiffusionAdapter.block_causal`) is scored block by block: every estimator here
+runs it through the composite `[noisy | clean]` forward (`DiffusionAdapter.composite_logits`), in which each block of
+the masked canvas is predicted given the prompt and the clean earlier blocks, and its ELBO is the block ELBO
+`sum_b B_b` (the samplers draw per block: `masking.sample_masks(..., blocks=...)`).
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ def _scored_logprobs(
     return_entropy: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One forward pass over the canvas `prompt_ids + noisy_completion` (attention on the real prompt tokens and all
-    L completion positions); float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere (and, with
+    L completion positions; for a block-causal model, the composite forward in which each noisy block sees the clean
+    `targets` before it); float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere (and, with
     `return_entropy`, the entropy of each scored prediction, 0 elsewhere)."""
-    input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(targets, dtype=prompt_mask.dtype)], dim=1)
-    logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
+    if adapter.block_causal:
+        logits = adapter.composite_logits(model, prompt_ids, prompt_mask, noisy_completion, targets)
+    else:
+        input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(targets, dtype=prompt_mask.dtype)], dim=1)
+        logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
     # Gather the scored rows before normalising: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
     scored_logits = logits[scored].float()
     normaliser = scored_logits.logsumexp(-1)
@@ -57,7 +66,9 @@ def masked_token_logprobs(
 ) -> torch.Tensor:
     """Per-token log p(y_i | x, y with the `masked` positions replaced by the mask token), at the masked positions.
 
-    One batched forward pass; attention covers the real prompt tokens and all L completion positions.
+    One batched forward pass; attention covers the real prompt tokens and all L completion positions. A block-causal
+    model predicts each block given the prompt and the clean (`completion_ids`) earlier blocks, in one composite
+    forward ([`~models.DiffusionAdapter.composite_logits`]).
 
     Args:
         model (`torch.nn.Module`):
@@ -175,16 +186,13 @@ def stacked_elbo_terms(
             return None
         return views[:, indices].to(completion_ids.device).transpose(0, 1).reshape(num_views * batch, -1)
 
-    def view_sums(masks: torch.BoolTensor, context: torch.BoolTensor | None) -> torch.Tensor:  # (batch, k)
+    def views(masks: torch.BoolTensor, context: torch.BoolTensor | None) -> torch.Tensor:  # (batch, k, L)
         logprobs = masked_token_logprobs(model, adapter, *stacked, stack(masks), stack(context))
-        return logprobs.sum(-1).view(num_views, batch).transpose(0, 1)
+        return logprobs.view(num_views, batch, -1).transpose(0, 1)
 
-    def weights(values: torch.Tensor) -> torch.Tensor:
-        return values[:, indices].to(completion_ids.device, torch.float32)
-
-    terms = weights(plan.weights) * view_sums(plan.masks, plan.context_masks)
+    terms = plan.weighted_sums(views(plan.masks, plan.context_masks), indices)
     if plan.complement_masks is not None:
-        terms = terms + weights(plan.complement_weights) * view_sums(plan.complement_masks, None)
+        terms = terms + plan.weighted_sums(views(plan.complement_masks, None), indices, complement=True)
     return terms
 
 
@@ -240,7 +248,9 @@ def eubo_token_mean(logprobs: torch.Tensor, plan: MaskPlan, beta: float) -> torc
         `torch.FloatTensor` of shape `(batch,)`.
     """
     scored = plan.masks.to(logprobs.device)
-    log_weights = plan.weights.to(logprobs.device, torch.float32).clamp(min=1e-30).log().unsqueeze(-1)
+    log_weights = plan.weights.to(logprobs.device, torch.float32).clamp(min=1e-30).log()
+    if log_weights.dim() == 2:  # one weight per view, else per position (a plan drawn per block)
+        log_weights = log_weights.unsqueeze(-1)
     any_scored = scored.any(dim=1)
     # Entries no view scores are -inf inside a scored position's sum, 0 elsewhere: no NaN in the softmax gradient.
     filler = torch.where(any_scored, -math.inf, 0.0).unsqueeze(1).expand_as(logprobs)
@@ -387,38 +397,66 @@ def _mean_scores_by_size(
     region: torch.BoolTensor,
     max_region_size: int,
     chunk_size: int,
-) -> list[torch.Tensor]:
-    """`f(0..n)` of each row (float64): the mean of `S(M)` over every mask M ⊆ R of each size."""
+) -> list[list[torch.Tensor]]:
+    """`f(0..n)` of each row (float64): the mean of `S(M)` over every mask M ⊆ R of each size; for a block-causal
+    model, `f_b(0..n_b)` of every block b of the row (its region positions masked, the other blocks clean)."""
+    blocks = adapter.completion_blocks(prompt_mask, completion_ids.shape[1])
     means = []
     for row in range(completion_ids.shape[0]):
         positions = region[row].nonzero().squeeze(-1)
-        n = positions.numel()
-        if n > max_region_size:
-            raise ValueError(f"Row {row} has a region of {n} positions: enumerating 2^{n} masks is too many.")
-        codes = torch.arange(1, 2**n, device=positions.device)
-        in_mask = ((codes.unsqueeze(-1) >> torch.arange(n, device=positions.device)) & 1).bool()
-        masks = torch.zeros(codes.numel(), completion_ids.shape[1], dtype=torch.bool, device=region.device)
-        masks[:, positions] = in_mask
-        scores = []
-        for start in range(0, codes.numel(), chunk_size):
-            chunk = masks[start : start + chunk_size]
-            repeat = chunk.shape[0]
-            logprobs = masked_token_logprobs(
-                model,
-                adapter,
-                prompt_ids[row : row + 1].expand(repeat, -1),
-                prompt_mask[row : row + 1].expand(repeat, -1),
-                completion_ids[row : row + 1].expand(repeat, -1),
-                chunk,
+        if positions.numel() > max_region_size:
+            raise ValueError(
+                f"Row {row} has a region of {positions.numel()} positions: enumerating 2^n masks is too many."
             )
-            scores.append(logprobs.double().sum(-1))
-        sizes = in_mask.sum(-1)
-        totals = torch.zeros(n + 1, dtype=torch.float64, device=sizes.device)
-        if scores:
-            totals.index_add_(0, sizes, torch.cat(scores))
-        counts = torch.tensor([math.comb(n, size) for size in range(n + 1)], dtype=torch.float64)
-        means.append(totals / counts.to(totals.device))
+        if blocks is None:
+            groups = [positions]
+        else:
+            row_blocks = blocks[row, positions]
+            groups = [positions[row_blocks == block] for block in torch.unique(row_blocks)]
+        means.append(
+            [
+                _group_mean_scores(model, adapter, prompt_ids, prompt_mask, completion_ids, row, group, chunk_size)
+                for group in groups
+            ]
+        )
     return means
+
+
+def _group_mean_scores(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    row: int,
+    positions: torch.LongTensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """`f(0..n)` of one row over the masks of `positions` (float64)."""
+    n = positions.numel()
+    codes = torch.arange(1, 2**n, device=positions.device)
+    in_mask = ((codes.unsqueeze(-1) >> torch.arange(n, device=positions.device)) & 1).bool()
+    masks = torch.zeros(codes.numel(), completion_ids.shape[1], dtype=torch.bool, device=completion_ids.device)
+    masks[:, positions] = in_mask
+    scores = []
+    for start in range(0, codes.numel(), chunk_size):
+        chunk = masks[start : start + chunk_size]
+        repeat = chunk.shape[0]
+        logprobs = masked_token_logprobs(
+            model,
+            adapter,
+            prompt_ids[row : row + 1].expand(repeat, -1),
+            prompt_mask[row : row + 1].expand(repeat, -1),
+            completion_ids[row : row + 1].expand(repeat, -1),
+            chunk,
+        )
+        scores.append(logprobs.double().sum(-1))
+    sizes = in_mask.sum(-1)
+    totals = torch.zeros(n + 1, dtype=torch.float64, device=sizes.device)
+    if scores:
+        totals.index_add_(0, sizes, torch.cat(scores))
+    counts = torch.tensor([math.comb(n, size) for size in range(n + 1)], dtype=torch.float64)
+    return totals / counts.to(totals.device)
 
 
 def exact_elbo(
@@ -432,7 +470,9 @@ def exact_elbo(
     chunk_size: int = 256,
 ) -> torch.Tensor:
     """The exact ELBO `B = sum_l f(l) / l` by enumerating every mask of the region: the oracle the estimators'
-    exact expectations are tested against (2^n forward passes per row, batched; no gradient).
+    exact expectations are tested against (2^n forward passes per row, batched; no gradient). For a block-causal
+    model it is the block ELBO `sum_b B_b`, each block's masks enumerated with the other blocks clean (sum_b 2^n_b
+    passes), and so the mean of the per-block samplers.
 
     Args:
         model, adapter, prompt_ids, prompt_mask, completion_ids:
@@ -464,7 +504,8 @@ def exact_elbo_eps(
     chunk_size: int = 256,
 ) -> torch.Tensor:
     """The exact mean of the `uniform_t` and `stratified_t` estimators,
-    `B_eps = sum_l f(l) * C(n, l) / (1 - eps) * int_eps^1 t^(l-1) (1 - t)^(n-l) dt` (`B_0 = B`), by enumeration.
+    `B_eps = sum_l f(l) * C(n, l) / (1 - eps) * int_eps^1 t^(l-1) (1 - t)^(n-l) dt` (`B_0 = B`), by enumeration
+    (for a block-causal model `sum_b B_b,eps`, the same sum over each block's masks).
 
     Args:
         model, adapter, prompt_ids, prompt_mask, completion_ids, region, max_region_size, chunk_size:
@@ -478,11 +519,13 @@ def exact_elbo_eps(
     means = _mean_scores_by_size(
         model, adapter, prompt_ids, prompt_mask, completion_ids, region, max_region_size, chunk_size
     )
-    values = [
-        (mean * torch.tensor(_count_weights(mean.numel() - 1, eps), dtype=torch.float64, device=mean.device)).sum()
-        for mean in means
-    ]
-    return torch.stack(values)
+
+    def value(mean: torch.Tensor) -> torch.Tensor:  # sum_l c_l f(l) over one region (one block)
+        weights = torch.tensor(_count_weights(mean.numel() - 1, eps), dtype=torch.float64, device=mean.device)
+        return (mean * weights).sum()
+
+    zero = torch.zeros((), dtype=torch.float64, device=region.device)
+    return torch.stack([sum((value(mean) for mean in row_means), zero) for row_means in means])
 
 
 def coupled_token_scores(

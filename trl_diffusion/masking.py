@@ -216,17 +216,19 @@ class MaskPlan:
 
     Term j of row b is `weights[b, j] * S(masks[b, j])`, plus `complement_weights[b, j] * S(complement_masks[b, j])`
     for the `coupled` sampler, where `S(M)` sums `log p(y_i | y with M masked)` over `i in M`. The ELBO estimate is
-    the mean of the terms over j.
+    the mean of the terms over j. A plan drawn per block of a block-causal model (`sample_masks(..., blocks=...)`)
+    weighs each position by its block's weight instead: `weights[b, j, i]`, and term j is
+    `sum_{i in M_j} weights[b, j, i] * log p(y_i | ...)` ([`MaskPlan.weighted_sums`] computes both forms).
 
     Args:
         masks (`torch.BoolTensor` of shape `(batch, num_mc_samples, completion_length)`):
             Completion positions masked (and scored) by each term.
-        weights (`torch.FloatTensor` of shape `(batch, num_mc_samples)`):
-            Weight of each term's masked log-likelihood.
+        weights (`torch.FloatTensor` of shape `(batch, num_mc_samples)` or `(batch, num_mc_samples, completion_length)`):
+            Weight of each term's masked log-likelihood, or of each position's (a plan drawn per block).
         complement_masks (`torch.BoolTensor`, *optional*):
             `coupled` only: the region positions each first pass left visible.
         complement_weights (`torch.FloatTensor`, *optional*):
-            `coupled` only: weight of the complement pass.
+            `coupled` only: weight of the complement pass (of the same shape as `weights`).
         context_masks (`torch.BoolTensor`, *optional*):
             `block` only: completion positions masked in the input but not scored (the blocks after the scored one).
     """
@@ -241,9 +243,34 @@ class MaskPlan:
     def num_mc_samples(self) -> int:
         return self.masks.shape[1]
 
+    def weighted_sums(
+        self, logprobs: torch.Tensor, mc_indices: list[int] | None = None, complement: bool = False
+    ) -> torch.Tensor:
+        """The weighted sums `sum_i w_{j,i} * logprobs[b, j, i]` of views `mc_indices` (a term without its
+        complement pass, or with `complement=True` the complement pass's part).
+
+        Args:
+            logprobs (`torch.Tensor` of shape `(batch, k, completion_length)`):
+                Per-token log-probs of the k views, 0 where a view does not score.
+            mc_indices (`list[int]`, *optional*):
+                The views' Monte Carlo indices (default: all, in order).
+            complement (`bool`, *optional*, defaults to `False`):
+                Weigh by `complement_weights`.
+
+        Returns:
+            `torch.FloatTensor` of shape `(batch, k)`.
+        """
+        weights = self.complement_weights if complement else self.weights
+        if mc_indices is not None:
+            weights = weights[:, mc_indices]
+        weights = weights.to(logprobs.device, torch.float32)
+        if weights.dim() == 2:
+            return weights * logprobs.sum(-1)
+        return (weights * logprobs).sum(-1)
+
 
 def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, generator: torch.Generator) -> list:
-    """The per-completion part of a plan: each sample's mask size or timestep."""
+    """The per-completion (per-block) part of a plan: each sample's mask size or timestep."""
     if sampler == "stratified":
         return stratified_counts(n, num_mc_samples, int(torch.randint(n, (), generator=generator)))
     if sampler == "coupled":
@@ -254,13 +281,43 @@ def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, gen
     return stratified_timesteps(num_mc_samples, float(uniforms[0]), eps)
 
 
+def _region_draws(
+    sampler: str, positions: torch.LongTensor, num_mc_samples: int, eps: float, seed: int, iteration: int, *block: int
+) -> list[tuple[torch.LongTensor, float, float]]:
+    """One `(masked positions, weight, complement weight)` per Monte Carlo sample of a region (a completion's, or one
+    block's, whose index `block` then keys its draws apart from the other blocks')."""
+    n = positions.numel()
+    if sampler in QUADRATURE_RULES:
+        draws, node_weights = zip(*quadrature_draws(sampler, num_mc_samples))
+        draw_weights = [(weight, 0.0) for weight in node_weights]
+    else:
+        generator = keyed_generator(seed, iteration, MASK_COMPLETION, *block)
+        draws = _completion_draws(sampler, n, num_mc_samples, eps, generator)
+        draw_weights = [term_weights(sampler, n, draw) for draw in draws]
+    views = []
+    for mc_index, (draw, weight) in enumerate(zip(draws, draw_weights)):
+        generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index, *block)
+        if sampler in ("stratified", "coupled"):
+            chosen = positions[torch.randperm(n, generator=generator)[:draw]]
+        else:
+            chosen = positions[torch.rand(n, generator=generator, dtype=torch.float64) < draw]
+        views.append((chosen, *weight))
+    return views
+
+
 def block_views(
-    positions: torch.LongTensor, block_length: int, num_mc_samples: int, seed: int, iteration: int
+    positions: torch.LongTensor,
+    block_length: int | None,
+    num_mc_samples: int,
+    seed: int,
+    iteration: int,
+    blocks: torch.LongTensor | None = None,
 ) -> list[tuple[torch.LongTensor, torch.LongTensor, float]]:
     """The `block` sampler's views of one completion (SPG's block-wise masking, with the scored block applied).
 
     The completion is cut into blocks of `block_length` positions from its first position (the semi-autoregressive
-    sampler's blocks); the K blocks holding region positions are the content blocks. View j picks content block
+    sampler's blocks), or into a block-causal model's attention blocks (`blocks`); the K blocks holding region
+    positions are the content blocks. View j picks content block
     `b_j = (offset + floor(j * K / num_mc_samples)) mod K` (one `offset ~ U{0..K-1}` per completion, so each view's
     block is marginally uniform and the views cover distinct blocks while `num_mc_samples <= K`), masks a uniformly
     random subset of `l ~ U{1..n_b}` of the block's n_b region positions, leaves the earlier blocks clean and masks
@@ -278,11 +335,14 @@ def block_views(
             Number of views.
         seed (`int`), iteration (`int`):
             The completion's mask seed and the inner iteration.
+        blocks (`torch.LongTensor` of shape `(n,)`, *optional*):
+            The attention block of each position (a block-causal model's grid), used instead of `block_length`.
 
     Returns:
         One `(scored, context, weight)` per view: the scored positions, the context positions and the weight.
     """
-    blocks = torch.div(positions, block_length, rounding_mode="floor")
+    if blocks is None:
+        blocks = torch.div(positions, block_length, rounding_mode="floor")
     content_blocks = torch.unique(blocks)
     num_blocks = content_blocks.numel()
     offset = int(torch.randint(num_blocks, (), generator=keyed_generator(seed, iteration, MASK_COMPLETION)))
@@ -305,6 +365,7 @@ def sample_masks(
     num_mc_samples: int,
     eps: float = 1e-3,
     block_length: int | None = None,
+    blocks: torch.LongTensor | None = None,
 ) -> MaskPlan:
     """Draws the Monte Carlo masks of every row, deterministically from (row seed, iteration, Monte Carlo index).
 
@@ -319,6 +380,14 @@ def sample_masks(
       Gauss-Legendre nodes t_k, weight K a_k / t_k; `num_mc_samples` a multiple of the nodes.
     - `block`: SPG's block-wise masking ([`block_views`]): one block scored per term, the earlier blocks clean, the
       later ones masked as context, weight `K * n_b / l`; needs `block_length`.
+
+    With `blocks` (a block-causal model, whose likelihood is the block ELBO `sum_b B_b`, each block given the clean
+    earlier ones), every sampler but `block` draws per block: the region positions of each attention block are a
+    region of their own, with their own per-block draw (offset or timesteps, keyed by the block's index in the
+    completion, so blocks are independent) and their own masks and weights, stored per position. Each block's part
+    of a term is then the sampler's unbiased term of `B_b` (of `B_b,eps` for `uniform_t` and `stratified_t`; of the
+    quadrature of `B_b` for `gauss_*`), and the composite forward scores every block of a view at once. `block`
+    picks its one block per view on the model's grid.
 
     Args:
         sampler (`str`):
@@ -335,6 +404,9 @@ def sample_masks(
             Smallest timestep of `uniform_t` and `stratified_t` (the weight 1/t has infinite variance at 0).
         block_length (`int`, *optional*):
             `block` only: positions per block, counted from the first completion position.
+        blocks (`torch.LongTensor` of shape `(batch, completion_length)`, *optional*):
+            The attention block of every completion position of a block-causal model
+            ([`~models.DiffusionAdapter.completion_blocks`]): draw per block (above).
 
     Returns:
         [`MaskPlan`] on the device of `region`.
@@ -347,48 +419,52 @@ def sample_masks(
         raise ValueError(f"eps must lie in (0, 1), got {eps}.")
     if seeds.shape != region.shape[:1]:
         raise ValueError(f"seeds must have shape ({region.shape[0]},), got {tuple(seeds.shape)}.")
-    if sampler == "block" and (block_length is None or block_length < 1):
+    if sampler == "block" and blocks is None and (block_length is None or block_length < 1):
         raise ValueError(f"The `block` sampler needs a positive `block_length`, got {block_length!r}.")
+    if blocks is not None and blocks.shape != region.shape:
+        raise ValueError(f"blocks must have the shape of region {tuple(region.shape)}, got {tuple(blocks.shape)}.")
 
     region_cpu = region.detach().to("cpu", torch.bool)
+    blocks_cpu = None if blocks is None else blocks.detach().to("cpu")
+    per_block = blocks is not None and sampler != "block"
     batch_size, completion_length = region_cpu.shape
     masks = torch.zeros(batch_size, num_mc_samples, completion_length, dtype=torch.bool)
-    # float32 like the log-probs they scale (and usable on devices without float64).
-    weights = torch.zeros(batch_size, num_mc_samples, dtype=torch.float32)
+    # float32 like the log-probs they scale (and usable on devices without float64); per position when per block.
+    weights = torch.zeros(
+        batch_size, num_mc_samples, *((completion_length,) if per_block else ()), dtype=torch.float32
+    )
     complement_weights = torch.zeros_like(weights)
     context_masks = torch.zeros_like(masks) if sampler == "block" else None
-    by_count = sampler in ("stratified", "coupled")
 
     for row, seed in enumerate(seeds.tolist()):
         positions = region_cpu[row].nonzero().squeeze(-1)
-        n = positions.numel()
-        if n == 0:
+        if positions.numel() == 0:
             continue  # nothing to score: every term is 0, and its forward pass still runs
         if sampler == "block":
+            row_blocks = None if blocks_cpu is None else blocks_cpu[row, positions]
             for mc_index, (scored, context, weight) in enumerate(
-                block_views(positions, block_length, num_mc_samples, seed, iteration)
+                block_views(positions, block_length, num_mc_samples, seed, iteration, row_blocks)
             ):
                 masks[row, mc_index, scored] = True
                 context_masks[row, mc_index, context] = True
                 weights[row, mc_index] = weight
             continue
-        if sampler in QUADRATURE_RULES:
-            draws, quadrature_weights = zip(*quadrature_draws(sampler, num_mc_samples))
-        else:
-            draws = _completion_draws(
-                sampler, n, num_mc_samples, eps, keyed_generator(seed, iteration, MASK_COMPLETION)
-            )
-        for mc_index, draw in enumerate(draws):
-            generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index)
-            if by_count:
-                chosen = positions[torch.randperm(n, generator=generator)[:draw]]
-            else:
-                chosen = positions[torch.rand(n, generator=generator, dtype=torch.float64) < draw]
-            masks[row, mc_index, chosen] = True
-            if sampler in QUADRATURE_RULES:
-                weights[row, mc_index] = quadrature_weights[mc_index]
-            else:
-                weights[row, mc_index], complement_weights[row, mc_index] = term_weights(sampler, n, draw)
+        if not per_block:
+            for mc_index, (chosen, weight, complement_weight) in enumerate(
+                _region_draws(sampler, positions, num_mc_samples, eps, seed, iteration)
+            ):
+                masks[row, mc_index, chosen] = True
+                weights[row, mc_index], complement_weights[row, mc_index] = weight, complement_weight
+            continue
+        row_blocks = blocks_cpu[row, positions]
+        for index, block in enumerate(torch.unique(row_blocks).tolist()):
+            in_block = positions[row_blocks == block]
+            for mc_index, (chosen, weight, complement_weight) in enumerate(
+                _region_draws(sampler, in_block, num_mc_samples, eps, seed, iteration, index)
+            ):
+                masks[row, mc_index, chosen] = True
+                weights[row, mc_index, in_block] = weight
+                complement_weights[row, mc_index, in_block] = complement_weight
 
     device = region.device
     if sampler == "block":

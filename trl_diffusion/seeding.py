@@ -12,8 +12,9 @@ Keys of a rollout (`DiffusionRLTrainer`):
 Streams of one mask seed: `trl_diffusion.masking` keys them as derive_seed(mask seed, inner iteration, stream, ...),
 LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
 
-    MASK_COMPLETION  per-completion draws of a Monte Carlo sampler (stratified offset, timesteps)
-    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index)
+    MASK_COMPLETION  per-completion draws of a Monte Carlo sampler (stratified offset, timesteps); for a
+                     block-causal model one per block, keyed also by the block's index in the completion
+    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index, and by the block's when per block)
     MASK_PROMPT      d1's prompt mask
     LFPO_STATES      LFPO's choice of trajectory states
     MASK_PAIR        coupled-GRPO's complementary pair: the row's timestep t, then one uniform per canvas position

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .sdar import block_diffusion_mask
+
 # Published ids of the model families we know by `config.model_type`. A config field or the tokenizer wins over these.
 KNOWN_MASK_TOKEN_IDS = {
     "llada": 126336,
@@ -29,6 +31,8 @@ KNOWN_TERMINATOR_IDS = {
 }
 # Dream and DiffuCoder start from autoregressive Qwen2.5 weights: the output at position i predicts token i + 1.
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
+# Block-diffusion families: attention full inside a block of `config.block_size` positions, causal across blocks.
+BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar", "sdar_moe", "llada2_moe"})
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -160,6 +164,11 @@ class DiffusionAdapter:
         cache_argument (`str` or `None`):
             Name of the forward argument that takes a transformers `Cache` (`"cache"`, or the older
             `"past_key_values"`); `None` when the model takes none, and the sampler's cached modes are refused.
+        block_size (`int` or `None`):
+            Positions per attention block of a block-causal model (`BLOCK_CAUSAL_MODEL_TYPES`: SDAR, SDAR-MoE,
+            LLaDA2; full attention inside a block, causal across blocks, blocks counted from each row's first real
+            token), from `config.block_size`; `None` for a full-attention model. The likelihoods score a block-causal
+            model through [`DiffusionAdapter.composite_logits`].
     """
 
     mask_token_id: int
@@ -169,6 +178,12 @@ class DiffusionAdapter:
     context_length: int | None = None
     accepts_logits_to_keep: bool = False
     cache_argument: str | None = None
+    block_size: int | None = None
+
+    @property
+    def block_causal(self) -> bool:
+        """Whether the model attends block-causally (its likelihoods are block-diffusion ELBOs)."""
+        return self.block_size is not None
 
     @classmethod
     def from_model(
@@ -256,6 +271,13 @@ class DiffusionAdapter:
                 context_length = int(getattr(config, field))
                 break
 
+        block_size = int(config.block_size) if model_type in BLOCK_CAUSAL_MODEL_TYPES else None
+        if block_size is not None and shift_logits:
+            raise ValueError(
+                f"A block-causal model ({model_type!r}) with shifted logits is not supported: its composite "
+                "likelihood forward reads each position's prediction at that position."
+            )
+
         parameters = inspect.signature(base.forward).parameters
         accepts_logits_to_keep = "logits_to_keep" in parameters
         cache_argument = next((name for name in ("cache", "past_key_values") if name in parameters), None)
@@ -268,7 +290,86 @@ class DiffusionAdapter:
             context_length=context_length,
             accepts_logits_to_keep=accepts_logits_to_keep,
             cache_argument=cache_argument,
+            block_size=block_size,
         )
+
+    def completion_blocks(self, prompt_mask: torch.Tensor, completion_length: int) -> torch.LongTensor | None:
+        """The attention block of every completion position of a block-causal model: `(p + i) // block_size` for
+        completion position i after a prompt of p real tokens (the model's grid, counted from the first real prompt
+        token, so the first completion block may hold the prompt's last tokens); `None` for a full-attention model.
+
+        Args:
+            prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
+                1 for real prompt tokens, 0 for left padding.
+            completion_length (`int`):
+                The completion positions L.
+
+        Returns:
+            `torch.LongTensor` of shape `(batch, completion_length)` on the device of `prompt_mask`, or `None`.
+        """
+        if self.block_size is None:
+            return None
+        positions = prompt_mask.long().sum(-1, keepdim=True) + torch.arange(
+            completion_length, device=prompt_mask.device
+        )
+        return torch.div(positions, self.block_size, rounding_mode="floor")
+
+    def composite_logits(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.LongTensor,
+        prompt_mask: torch.Tensor,
+        noisy_completion: torch.LongTensor,
+        completion_ids: torch.LongTensor,
+    ) -> torch.Tensor:
+        """Logits of every completion block of a block-causal model given its clean prefix, in one forward over the
+        block-diffusion composite input `[noisy | clean]` (BD3LM's layout, with
+        [`~models.sdar.block_diffusion_mask`]).
+
+        The clean half is the canvas `prompt_ids + completion_ids`. The noisy half is `noisy_completion` preceded by
+        the prompt's last `max(p mod block_size)` columns, so that it holds every block with a completion position
+        whole (the first one may begin in the prompt; p is a row's real prompt length). Each column has the position
+        of its clean copy; a noisy block attends to itself and to the clean blocks before it, so its logits are those
+        of the block run alone after the prompt and the clean earlier blocks (the noisy version of the other blocks
+        does not reach it). The prompt is context only: it is the same in both halves.
+
+        Args:
+            model (`torch.nn.Module`):
+                The block-causal model (possibly PEFT- or DDP-wrapped), taking a ready 4-D `attention_mask`.
+            prompt_ids (`torch.LongTensor` of shape `(batch, prompt_length)`):
+                Left-padded prompts.
+            prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
+                1 for real prompt tokens, 0 for padding.
+            noisy_completion (`torch.LongTensor` of shape `(batch, completion_length)`):
+                The completions with the positions to predict replaced by the mask token.
+            completion_ids (`torch.LongTensor` of shape `(batch, completion_length)`):
+                The clean completions.
+
+        Returns:
+            `torch.Tensor` of shape `(batch, completion_length, vocab)`: index `i` holds the prediction for completion
+            position `i` in the noisy half.
+        """
+        if self.block_size is None:
+            raise ValueError("`composite_logits` is for block-causal models (`block_size` set); this one is not.")
+        prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
+        tail = min(int((prompt_mask.long().sum(-1) % self.block_size).max()), prompt_length)
+        clean_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        clean_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
+        clean_positions = (clean_mask.long().cumsum(-1) - 1).clamp(min=0)
+        window = slice(prompt_length - tail, None)
+        noisy_ids = torch.cat([prompt_ids[:, window], noisy_completion], dim=1)
+        input_ids = torch.cat([noisy_ids, clean_ids], dim=1)
+        attention_mask = torch.cat([clean_mask[:, window], clean_mask], dim=1)
+        position_ids = torch.cat([clean_positions[:, window], clean_positions], dim=1)
+        noisy = torch.arange(input_ids.shape[1], device=input_ids.device) < noisy_ids.shape[1]
+        base = unwrap_model(model)
+        mask = block_diffusion_mask(base.config, attention_mask, position_ids, noisy, self.block_size, base.dtype)
+        kwargs = {"use_cache": False}
+        keep = torch.arange(tail, tail + completion_length, device=input_ids.device)
+        if self.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs).logits
+        return logits if self.accepts_logits_to_keep else logits[:, keep]
 
     def logits(
         self,

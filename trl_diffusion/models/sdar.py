@@ -8,8 +8,11 @@ inside a block of `block_size` positions, causal across blocks. Blocks are count
 (the position ids `cumsum(attention_mask) - 1` the package passes), the grid SDAR, JetEngine and LLaDA2 decode on, so
 a left-padded row attends exactly as it does alone. The outputs are aligned with the inputs (not shifted).
 
-What is not here yet: decoding against a key/value cache (SDAR's block-by-block sampler) and the block-diffusion
-ELBO over the `[noisy | clean]` composite input; a forward with a cache is refused.
+Likelihoods score a block given its clean prefix in one forward over the composite `[noisy | clean]` input, with the
+mask of `block_diffusion_mask` (passed to the forward as a ready 4-D mask; `DiffusionAdapter.composite_logits`).
+
+What is not here yet: decoding against a key/value cache (SDAR's block-by-block sampler); a forward with a cache is
+refused.
 """
 
 from __future__ import annotations
@@ -65,6 +68,56 @@ def block_causal_mask(
         attention_mask,
         and_mask_function=same_or_earlier_block,
         allow_is_bidirectional_skip=False,
+    )
+
+
+def block_diffusion_mask(
+    config,
+    attention_mask: torch.Tensor,
+    position_ids: torch.LongTensor,
+    noisy: torch.BoolTensor,
+    block_size: int,
+    dtype: torch.dtype,
+):
+    """The attention mask of the block-diffusion composite input `[noisy | clean]` (BD3LM's, as SDAR and LLaDA2 train
+    with), in the format the configured attention implementation takes. With `block(i) = position_ids[i] //
+    block_size`, a query q attends to a real key k when
+
+    - both are noisy and `block(q) == block(k)` (a noisy block sees itself, bidirectionally),
+    - q is noisy, k clean and `block(k) < block(q)` (the clean blocks strictly before it),
+    - both are clean and `block(k) <= block(q)` (block-causal on the clean sequence),
+
+    and never when q is clean and k noisy. The noisy and clean copies of a position share its position id, so the
+    logits of a noisy block equal those of that block run alone after its clean prefix.
+
+    Args:
+        config:
+            The model config (its attention implementation).
+        attention_mask (`torch.Tensor` of shape `(batch, seq_len)`):
+            1 for real tokens, 0 for padding, over the composite input.
+        position_ids (`torch.LongTensor` of shape `(batch, seq_len)`):
+            The position of every composite column counted from its row's first real token (a noisy column has the
+            position of its clean copy).
+        noisy (`torch.BoolTensor` of shape `(seq_len,)`):
+            Which columns belong to the noisy half.
+        block_size (`int`):
+            Positions per block.
+        dtype (`torch.dtype`):
+            The dtype of the model's activations (an additive mask is made in it).
+    """
+    blocks = torch.div(position_ids, block_size, rounding_mode="floor")
+    noisy = noisy.to(blocks.device)
+
+    def block_diffusion(batch_idx, head_idx, q_idx, kv_idx):
+        query_block, key_block = blocks[batch_idx, q_idx], blocks[batch_idx, kv_idx]
+        noisy_key = noisy[kv_idx]
+        from_noisy = torch.where(noisy_key, key_block == query_block, key_block < query_block)
+        return torch.where(noisy[q_idx], from_noisy, ~noisy_key & (key_block <= query_block))
+
+    # Only the shape, dtype and device of the embeddings are read.
+    shape_like = torch.empty((*attention_mask.shape, 0), dtype=dtype, device=attention_mask.device)
+    return create_bidirectional_mask(
+        config, shape_like, attention_mask, and_mask_function=block_diffusion, allow_is_bidirectional_skip=False
     )
 
 

@@ -32,9 +32,13 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
     # ------------------------------------------------------------------ Monte Carlo terms
 
     def mask_plan(self, inputs: dict, iteration: int) -> MaskPlan:
-        """The Monte Carlo masks of every row of `inputs` for inner iteration `iteration`."""
+        """The Monte Carlo masks of every row of `inputs` for inner iteration `iteration` (drawn per attention block
+        for a block-causal model, whose ELBO is the block ELBO)."""
         canvas = inputs["completion_canvas"]
         region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
+        blocks = None
+        if self.adapter.block_causal:
+            blocks = self.adapter.completion_blocks(inputs["prompt_mask"], canvas.shape[1])
         return sample_masks(
             self.args.mask_sampler,
             region,
@@ -43,6 +47,7 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
             self.args.num_mc_samples,
             self.args.timestep_eps,
             self.args.block_length,
+            blocks,
         )
 
     def elbo_normaliser(self, inputs: dict) -> torch.Tensor:

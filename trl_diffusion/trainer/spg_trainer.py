@@ -91,7 +91,7 @@ class SPGTrainer(SequenceELBOTrainer):
                 ],
                 dim=1,
             ).float()
-        elbo = (plan.weights.to(logprobs.device) * logprobs.sum(-1)).mean(dim=1)
+        elbo = plan.weighted_sums(logprobs).mean(dim=1)
         lower = elbo / self.elbo_normaliser(inputs)
         return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
 
