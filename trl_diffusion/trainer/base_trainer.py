@@ -502,6 +502,9 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, TRLContractMix
                 + ". Set `target_modules` (`--lora_target_modules`) to some of these names, or to 'all-linear'."
             ) from None
 
+        # TRL enables a MoE model's load-balancing loss with the architecture's coefficient when the config leaves
+        # `router_aux_loss_coef` unset; the diffusion objectives add none (a set coefficient is refused).
+        self.aux_loss_enabled = False
         adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
         # One set of terminators for the sampler, the ELBO region and TRL's cut / truncation metrics.
         terminators = tuple(dict.fromkeys([*adapter.terminator_ids, *self.eos_token_ids]))

@@ -52,7 +52,8 @@ class DiffusionSFTConfig(SFTConfig):
     `assistant_only_loss` and `completion_only_loss=False` (the loss is always over the completion of a
     prompt-completion dataset), `loss_type` other than `"nll"` and `label_smoothing_factor` (token-level
     autoregressive losses), and `dataset_kwargs={"skip_prepare_dataset": True}` (pre-tokenized `prompt_ids` /
-    `completion_ids` datasets are used as they are anyway).
+    `completion_ids` datasets are used as they are anyway), and `router_aux_loss_coef` other than `None` / `0.0` (the
+    loss adds no Mixture-of-Experts load-balancing term: a MoE model's router logits are not requested).
     """
 
     mask_token_id: int | None = field(
@@ -102,6 +103,11 @@ class DiffusionSFTConfig(SFTConfig):
         ),
         "loss_type": (("nll",), "the loss is the masked-diffusion cross-entropy weighted by 1/t"),
         "label_smoothing_factor": ((0.0,), "the masked-diffusion loss has no label smoothing"),
+        "router_aux_loss_coef": (
+            (None, 0.0),
+            "the masked-diffusion loss adds no Mixture-of-Experts load-balancing term (the router is trained by the "
+            "diffusion loss alone)",
+        ),
     }
 
     def __post_init__(self):

@@ -252,6 +252,10 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, SFTTrainer):
             peft_config=peft_config,
         )
 
+        # TRL turns a MoE model's router logits on for its load-balancing loss, which this loss does not add.
+        text_config = self.model.config.get_text_config()
+        if getattr(text_config, "output_router_logits", False):
+            text_config.output_router_logits = False
         self.adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
         limits = [limit for limit in (args.max_length, self.adapter.context_length) if limit is not None]
         self.max_canvas_length = min(limits) if limits else None
