@@ -40,6 +40,8 @@ from trl_diffusion.scripts.utils import DiffusionScriptArguments
 from trl_diffusion.tasks import TASKS, Task
 from trl_diffusion.trainer.base_config import SAMPLER_FIELDS
 
+from helpers import save_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 CONSOLE_SCRIPT = Path(sys.executable).with_name("trl-diffusion")
 
@@ -529,6 +531,7 @@ EXAMPLES = {
     "wd1_sudoku": "wd1",
     "just_grpo_gsm8k": "just_grpo",
     "spg_countdown": "spg",
+    "bgpo_sdar_countdown": "bgpo",
 }
 
 
@@ -593,6 +596,19 @@ def test_spg_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("spg", module.RECIPE, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_sdar_example_runs_one_step(tiny_tokenizer, tmp_path):
+    """The SDAR BGPO recipe on a tiny SDAR (blocks of 4: the canvas's blocks set to the model's)."""
+    from trl_diffusion.models import build_tiny_sdar
+
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-sdar")
+    module = load_example("bgpo_sdar_countdown")
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path / "run")]
+    argv += [*TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16", "--max_steps", "1"]
+    argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mc_samples", "2"]
+    assert run_recipe("bgpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
 def test_just_grpo_example_runs_one_step_with_a_parallel_evaluation(tiny_llada_dir, tmp_path):
