@@ -618,3 +618,62 @@ def test_trainer_timestep_sampler_has_mean_block_elbo_eps(sdar, sdar_cases, samp
     reference = sum(table.elbo(EPS) for table in tables)
     standard_error = conditional.std().item() / math.sqrt(ORACLE_ROWS)
     assert abs(conditional.mean().item() - reference) <= 4 * standard_error + 1e-9
+
+
+# ------------------------------------------------------------------ the trainers' scores
+
+
+@pytest.fixture(scope="module")
+def sdar_dir(tmp_path_factory, tiny_tokenizer):
+    from helpers import save_checkpoint
+
+    return save_checkpoint(build_tiny_sdar(tiny_tokenizer, seed=0), tiny_tokenizer, tmp_path_factory.mktemp("sdar"))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("trainer_name", ["bgpo", "diffu_grpo"])
+def test_trainers_store_block_scores(trainer_name, sdar_dir, tmp_path):
+    """A rollout of a tiny SDAR: the old-policy scores the trainer stores (BGPO's ELBO terms under its per-block
+    plan, DiffuGRPO's mean-field log-probs) are those of the model called block by block, for every inner
+    iteration."""
+    from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, DiffuGRPOConfig, DiffuGRPOTrainer
+
+    from helpers import rollout_batch, tiny_trainer
+
+    config_class, trainer_class, settings = {
+        "bgpo": (BGPOConfig, BGPOTrainer, dict(num_mc_samples=2)),
+        "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer, {}),
+    }[trainer_name]
+    args = tiny_grpo_config(config_class, tmp_path, num_iterations=2, **settings)
+    trainer = tiny_trainer(trainer_class, sdar_dir, args)
+    inputs = rollout_batch(trainer, num_prompts=2)
+    prompt_ids, prompt_mask, canvas = trainer.rollout_inputs(inputs)
+    model, mask_id = trainer.model.eval(), trainer.adapter.mask_token_id
+    assert prompt_mask.sum(-1).remainder(4).ne(0).any()  # a completion block begins inside the prompt
+
+    def block_logprobs(prompt, noisy):
+        logits = _block_by_block_logits(model, 4, prompt, prompt_mask, noisy, canvas).double()
+        return logits.log_softmax(-1).gather(-1, canvas[..., None])[..., 0]
+
+    for iteration in range(2):
+        if trainer_name == "bgpo":
+            plan = trainer.mask_plan(inputs, iteration)
+            assert plan.weights.dim() == 3  # drawn per block
+            expected = torch.stack(
+                [
+                    (
+                        plan.weights[:, j]
+                        * plan.masks[:, j]
+                        * block_logprobs(prompt_ids, canvas.masked_fill(plan.masks[:, j], mask_id))
+                    ).sum(-1)
+                    for j in range(2)
+                ],
+                dim=1,
+            )
+            stored = inputs["old_elbo_terms"][:, iteration]
+        else:
+            prompt_masked = sample_prompt_masks(prompt_mask, args.p_mask_prompt, inputs["mask_seeds"], iteration)
+            noisy_prompt = prompt_ids.masked_fill(prompt_masked, mask_id)
+            expected = block_logprobs(noisy_prompt, torch.full_like(canvas, mask_id)) * inputs["completion_mask"]
+            stored = inputs["old_mean_field_logps"][:, iteration] * inputs["completion_mask"]
+        torch.testing.assert_close(stored.double(), expected, rtol=1e-5, atol=1e-4)
