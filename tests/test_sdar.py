@@ -5,7 +5,7 @@ the Auto classes, and block-causal attention counted from each row's first real 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from trl_diffusion.models import (
     DiffusionAdapter,
@@ -181,10 +181,40 @@ def test_adapter_knows_the_family(tiny_tokenizer):
     assert DiffusionAdapter.from_model(published).mask_token_id == 151669  # the family's id when the config has none
 
 
-def test_cached_forward_is_refused(tiny_tokenizer):
-    model = build_tiny_sdar(tiny_tokenizer)
-    with pytest.raises(NotImplementedError, match="key/value cache"):
-        model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True)
+@pytest.mark.parametrize("build", [build_tiny_sdar, build_tiny_sdar_moe, build_tiny_llada2])
+def test_blocks_decoded_against_a_dynamic_cache_equal_the_full_forward(build, tiny_tokenizer):
+    """SDAR's decoding with transformers' own cache (the research notes, 9.4) on a row left-padded by 2: the prompt's
+    full block prefilled into a `DynamicCache`; each block of the grid (the prompt's last 2 tokens with the first 2
+    completion positions, then 4, then the last 2) fed against it at every step and cropped off again (a negative
+    count), then, once final, fed once more to store it. Every step's logits are those of the forward over the whole
+    sequence up to the block."""
+    model = build(tiny_tokenizer).eval()
+    mask_id = model.config.mask_token_id
+    prompt = torch.randint(20, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    sequence = torch.cat([torch.full((1, 2), tiny_tokenizer.pad_token_id), prompt, torch.full((1, 8), mask_id)], 1)
+    attention_mask = (torch.arange(16) >= 2).long()[None]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=sequence[:, :6], attention_mask=attention_mask[:, :6], cache=cache, use_cache=True)
+        for start, end in ((6, 10), (10, 14), (14, 16)):
+            while (sequence[0, start:end] == mask_id).any():
+                logits = model(
+                    input_ids=sequence[:, start:end],
+                    attention_mask=attention_mask[:, :end],
+                    cache=cache,
+                    use_cache=True,
+                ).logits
+                cache.crop(-(end - start))
+                full = model(input_ids=sequence[:, :end], attention_mask=attention_mask[:, :end]).logits
+                torch.testing.assert_close(logits, full[:, start:end], rtol=0, atol=1e-5)
+                first_masked = start + int((sequence[0, start:end] == mask_id).nonzero()[0])
+                prediction = logits[0, first_masked - start].clone()
+                prediction[mask_id] = -torch.inf  # committing the mask would leave the position masked
+                sequence[0, first_masked] = int(prediction.argmax())
+            model(
+                input_ids=sequence[:, start:end], attention_mask=attention_mask[:, :end], cache=cache, use_cache=True
+            )
+            assert cache.get_seq_length() == end
 
 
 @pytest.mark.parametrize("build", [build_tiny_sdar, build_tiny_sdar_moe, build_tiny_llada2])

@@ -259,6 +259,32 @@ class DiffusionGenerationConfig:
             if any(step < 0 for step in self.record_steps):
                 raise ValueError(f"`record_steps` must be non-negative step indices (got {self.record_steps}).")
 
+    def check_model(self, adapter: DiffusionAdapter) -> None:
+        """Refuses settings that cannot drive the model `adapter` describes: a block-causal model is decoded one of its
+        own attention blocks at a time, so `block_length` must be its block size, and its cache of finished blocks is
+        `"prefix"` (exact).
+
+        Args:
+            adapter ([`DiffusionAdapter`]):
+                The model's adapter.
+
+        Raises:
+            ValueError: naming the field to change.
+        """
+        if adapter.block_size is None:
+            return
+        if self.block_length != adapter.block_size:
+            raise ValueError(
+                f"The model attends block-causally in blocks of `config.block_size` = {adapter.block_size} positions, "
+                f"and the sampler decodes one of them at a time: set `block_length` to {adapter.block_size} (got "
+                f"{self.block_length}), and `max_completion_length` to a multiple of it."
+            )
+        if self.generation_cache == "dual":
+            raise ValueError(
+                "`generation_cache='dual'` caches the positions after the current block, which a block-causal model "
+                "never attends to: use `generation_cache='prefix'`, its exact cache of the finished blocks."
+            )
+
     @property
     def num_blocks(self) -> int:
         return self.max_completion_length // self.block_length
@@ -383,11 +409,20 @@ class _Logits:
     rows: torch.LongTensor | None = None
 
 
-def _block_positions(block_start: torch.LongTensor, block_length: int) -> torch.LongTensor:
-    """The positions of the blocks starting at `block_start` (one start per row, repeats allowed), ascending: where a
-    step reads logits, so the output head runs nowhere else."""
+def _logit_positions(
+    block_start: torch.LongTensor, config: DiffusionGenerationConfig, prompt_length: int, sequence_length: int
+) -> torch.LongTensor:
+    """Where a step reads logits, so the output head runs nowhere else: the completion positions (of the sequence,
+    ascending) of the blocks starting at `block_start` (one start per row, repeats allowed), or, under
+    `stop_patience`, which reads every masked position, everything from the first of them on (nothing before a row's
+    block is masked). A block-causal model's block may begin in the prompt and end past the sequence."""
+    if config.stop_patience is not None:
+        first = max(int(block_start.min()), prompt_length)
+        return torch.arange(first, sequence_length, device=block_start.device)
+    block_length = config.block_length
     starts = block_start.unique()
-    return (starts[:, None] + torch.arange(block_length, device=starts.device)).flatten()
+    positions = (starts[:, None] + torch.arange(block_length, device=starts.device)).flatten()
+    return positions[(positions >= prompt_length) & (positions < sequence_length)].unique()
 
 
 def _select_logits(pieces: list[_Logits], selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
@@ -429,15 +464,13 @@ def _full_pass(
     block_start,
     **kwargs,
 ) -> _Logits:
-    """A pass over the full sequence, with logits at the blocks starting at `block_start` (sequence positions), or,
-    under `stop_patience`, which reads every masked position, from the first of them to the end (nothing before a
-    row's block is masked). `kwargs` go to `adapter.logits`."""
-    if config.stop_patience is None:
-        positions = _block_positions(block_start, config.block_length)
-    else:
-        positions = torch.arange(int(block_start.min()), input_ids.shape[1], device=input_ids.device)
+    """A pass over the full sequence, with logits where the step reads them (`_logit_positions` of the blocks starting
+    at `block_start`, sequence positions). `kwargs` go to `adapter.logits`."""
+    sequence_length = input_ids.shape[1]
+    prompt_length = sequence_length - config.max_completion_length
+    positions = _logit_positions(block_start, config, prompt_length, sequence_length)
     logits = adapter.logits(model, input_ids, attention_mask, logit_positions=positions, **kwargs)
-    return _Logits(logits, positions - (input_ids.shape[1] - config.max_completion_length))
+    return _Logits(logits, positions - prompt_length)
 
 
 class _CachedForward:
@@ -445,6 +478,11 @@ class _CachedForward:
     the other rows get one pass over their block (`"dual"`), or their block and everything after it (`"prefix"`),
     reading every other position from the cache. Logits are computed at the rows' blocks only (from the first block
     on under `stop_patience`, which reads every masked position).
+
+    A block-causal model gets one full pass, at the first step, then one pass per step over each row's block (and,
+    under `stop_patience`, everything after it), its finished blocks read from the cache; a row entering a block also
+    feeds the block it finished, whose keys and values were last stored with masks in it. Nothing attends to a later
+    block, so the stored keys and values of the blocks before a row's block are final: this cache is exact.
 
     The cache holds the rows still decoding, ordered as the active rows (then their unconditional copies under
     guidance); finished rows are dropped from it.
@@ -460,10 +498,9 @@ class _CachedForward:
         self.cache = None
         self.cache_ids = None  # sequence row r, and r + batch_size for its unconditional copy
 
-    @staticmethod
-    def num_calls(refresh: torch.BoolTensor) -> int:
+    def num_calls(self, refresh: torch.BoolTensor) -> int:
         """Model calls that [`__call__`] makes for active rows of which `refresh` enter a block."""
-        return 1 if refresh.all() else 1 + int(refresh.any())
+        return 1 if self.adapter.block_causal or refresh.all() else 1 + int(refresh.any())
 
     def __call__(
         self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
@@ -472,7 +509,7 @@ class _CachedForward:
         row's block (as a position of the full sequence)."""
         config, adapter, guided = self.config, self.adapter, self.config.cfg_scale > 0
         ids = torch.cat([active_rows, active_rows + self.batch_size]) if guided else active_rows
-        if refresh.all():
+        if refresh.all() and not (adapter.block_causal and self.cache is not None):
             self.cache = None  # free the old cache before the new one fills
             cache = CanvasCache()
             piece = _full_pass(self.model, adapter, config, *self.model_inputs(active_rows), block_start, cache=cache)
@@ -482,6 +519,8 @@ class _CachedForward:
             # Rows only ever leave the batch: keep the cache rows of those still decoding.
             self.cache.batch_select_indices(torch.isin(self.cache_ids, ids).nonzero().squeeze(1))
             self.cache_ids = ids
+        if adapter.block_causal:
+            return [self._block_causal_pass(active_rows, refresh, block_start)]
 
         def cache_rows(index):
             return torch.cat([index, index + len(active_rows)]) if guided else index
@@ -507,7 +546,9 @@ class _CachedForward:
             if config.generation_cache == "dual"
             else torch.full_like(start, self.sequence_length)
         )
-        positions = None if config.stop_patience is not None else _block_positions(start, config.block_length)
+        positions = None
+        if config.stop_patience is None:
+            positions = _logit_positions(start, config, self.prompt_length, self.sequence_length)
         if guided:
             start, end = start.repeat(2), end.repeat(2)
         logits = adapter.cached_logits(
@@ -523,6 +564,24 @@ class _CachedForward:
             positions = torch.arange(int(start.min()), int(end.max()), device=logits.device)
         pieces.append(_Logits(logits, positions - self.prompt_length, rows=cached if pieces else None))
         return pieces
+
+    def _block_causal_pass(
+        self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
+    ) -> _Logits:
+        """The one pass of a block-causal model's later steps: each row's block, from the start of the block it
+        finished when `refresh` (it enters a block), against the cache."""
+        config, block_length = self.config, self.config.block_length
+        start = torch.where(refresh, block_start - block_length, block_start)
+        end = (block_start + block_length).clamp(max=self.sequence_length)
+        if config.stop_patience is not None:
+            end = torch.full_like(start, self.sequence_length)
+        positions = _logit_positions(block_start, config, self.prompt_length, self.sequence_length)
+        if config.cfg_scale > 0:
+            start, end = start.repeat(2), end.repeat(2)
+        logits = self.adapter.cached_logits(
+            self.model, *self.model_inputs(active_rows), self.cache, start, end, logit_positions=positions
+        )
+        return _Logits(logits, positions - self.prompt_length)
 
 
 def _max_over_processes(value: int, device: torch.device) -> int:
@@ -637,6 +696,7 @@ def _check_inputs(
             f"A prompt contains the mask token (id {adapter.mask_token_id}); the sampler would overwrite it. Remove "
             "it from the prompts."
         )
+    config.check_model(adapter)
     if config.generation_cache != "none":
         if adapter.cache_argument is None:
             raise ValueError(
@@ -748,6 +808,15 @@ def generate(
         cached_forward = _CachedForward(model, adapter, config, model_inputs, sequence.shape)
     terminator_ids = torch.tensor(adapter.terminator_ids, dtype=torch.long, device=device)
     positions = torch.arange(max_completion_length, device=device)
+    # The block of every completion position, and the sequence position where each row's grid of blocks begins: a
+    # block-causal model's own grid, counted from the row's first real token (so its first block may begin in the
+    # prompt and its last be cut short), else blocks of `block_length` from the completion's first position.
+    position_blocks = adapter.completion_blocks(attention_mask, max_completion_length)
+    if position_blocks is None:
+        position_blocks = (positions // block_length).expand(batch_size, -1)
+        grid_start = torch.full((batch_size,), prompt_length, device=device)
+    else:
+        grid_start = prompt_length - attention_mask.sum(dim=1)
 
     commit_step = torch.full((batch_size, max_completion_length), -1, dtype=torch.long, device=device)
     steps_per_row = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -761,17 +830,19 @@ def generate(
     recorded = {}
 
     step = num_forward_passes = 0
-    bar = tqdm(total=config.num_steps, desc="Denoising", disable=not progress_bar)
+    # A block-causal row whose prompt length is not a multiple of the block has one block more.
+    num_blocks = max((position_blocks[:, -1] - position_blocks[:, 0] + 1).tolist(), default=config.num_blocks)
+    bar = tqdm(total=num_blocks * config.steps_per_block, desc="Denoising", disable=not progress_bar)
     while True:
         masked = completion == mask_token_id
 
         # Each row decodes the first block that still has masks; rows may be in different blocks under `threshold`.
-        first_masked = torch.where(masked, positions, max_completion_length).min(dim=1).values
-        current_block = first_masked // block_length
+        first_masked = torch.where(masked, positions, max_completion_length - 1).min(dim=1).values
+        current_block = position_blocks.gather(1, first_masked[:, None]).squeeze(1)
         entered_block = (current_block != block_index) & ~finished
         block_index = torch.where(entered_block, current_block, block_index)
         block_step = torch.where(entered_block, 0, block_step)
-        in_block = (positions // block_length)[None, :] == block_index[:, None]
+        in_block = position_blocks == block_index[:, None]
         committable = masked & in_block & ~finished[:, None]
         if entered_block.any():
             # The schedule splits the masks a row has when it enters the block (LLaDA's get_num_transfer_tokens).
@@ -799,7 +870,7 @@ def generate(
         if step in record_steps:
             recorded[step] = sequence.clone()
 
-        block_start = prompt_length + block_index[active_rows] * block_length
+        block_start = grid_start[active_rows] + block_index[active_rows] * block_length
         if cached_forward is None:
             logits = [_full_pass(model, adapter, config, *model_inputs(active_rows), block_start)]
         else:

@@ -11,8 +11,9 @@ a left-padded row attends exactly as it does alone. The outputs are aligned with
 Likelihoods score a block given its clean prefix in one forward over the composite `[noisy | clean]` input, with the
 mask of `block_diffusion_mask` (passed to the forward as a ready 4-D mask; `DiffusionAdapter.composite_logits`).
 
-What is not here yet: decoding against a key/value cache (SDAR's block-by-block sampler); a forward with a cache is
-refused.
+A forward against a key/value cache (transformers' `DynamicCache`, or the sampler's `CanvasCache`) masks the fed
+positions against every cached one by the same rule, so a block decoded against the cache of the finished blocks gets
+the logits of the forward over the whole sequence (the sampler's exact `generation_cache="prefix"`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from types import MappingProxyType
 import torch
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.cache_utils import Cache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.masking_utils import create_bidirectional_mask
+from transformers.utils.deprecation import deprecate_kwarg
 
 SDAR_MASK_TOKEN_ID = 151669  # <|MASK|>
 SDAR_BLOCK_SIZE = 4
@@ -40,6 +43,7 @@ def block_causal_mask(
     attention_mask: torch.Tensor | None,
     position_ids: torch.LongTensor,
     block_size: int,
+    key_position_ids: torch.LongTensor | None = None,
 ):
     """The attention mask of a block-causal model, in the format the configured attention implementation takes
     (a boolean 4-D tensor for SDPA, an additive one for eager): position q attends to key k when k is a real token
@@ -50,17 +54,24 @@ def block_causal_mask(
             The model config (its attention implementation; `is_causal` must be `False`).
         inputs_embeds (`torch.Tensor` of shape `(batch, seq_len, hidden)`):
             The input embeddings (their shape, dtype and device).
-        attention_mask (`torch.Tensor` of shape `(batch, seq_len)`, *optional*):
-            1 for real tokens, 0 for padding.
+        attention_mask (`torch.Tensor` of shape `(batch, kv_len)`, *optional*):
+            1 for real keys, 0 for padding (`kv_len = seq_len` without a cache).
         position_ids (`torch.LongTensor` of shape `(batch or 1, seq_len)`):
-            Positions counted from each row's first real token.
+            Positions of the queries, counted from each row's first real token.
         block_size (`int`):
             Positions per block.
+        key_position_ids (`torch.LongTensor` of shape `(batch or 1, kv_len)`, *optional*):
+            Positions of the keys, when they are not the queries (a forward against a cache). Default:
+            `position_ids`.
     """
-    blocks = torch.div(position_ids, block_size, rounding_mode="floor").expand(inputs_embeds.shape[0], -1)
+    batch_size = inputs_embeds.shape[0]
+    query_blocks = torch.div(position_ids, block_size, rounding_mode="floor").expand(batch_size, -1)
+    key_blocks = query_blocks
+    if key_position_ids is not None:
+        key_blocks = torch.div(key_position_ids, block_size, rounding_mode="floor").expand(batch_size, -1)
 
     def same_or_earlier_block(batch_idx, head_idx, q_idx, kv_idx):
-        return blocks[batch_idx, q_idx] >= blocks[batch_idx, kv_idx]
+        return query_blocks[batch_idx, q_idx] >= key_blocks[batch_idx, kv_idx]
 
     return create_bidirectional_mask(
         config,
@@ -123,44 +134,53 @@ def block_diffusion_mask(
 
 class BlockCausalMixin:
     """The forward of a block-causal model on a Qwen3-family `...ForCausalLM`: builds the block-causal mask from the
-    2-D padding mask and the position ids (from the padding mask when not given) and hands it to the base model."""
+    2-D padding mask and the position ids (from the padding mask when not given) and hands it to the base model.
 
+    With a `cache`, the 2-D `attention_mask` covers every key, cached and fed, as in transformers' `generate`
+    (default: no padding, the fed positions after the cached ones); the keys' positions are counted from it, and
+    `position_ids` are the fed positions' (default: the last keys'). A block fed against the cache of the blocks before
+    it then gets the logits of the forward over the whole sequence.
+    """
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
-        if (
-            kwargs.get("cache") is not None
-            or kwargs.get("past_key_values") is not None
-            or kwargs.pop("use_cache", None)
-        ):
-            raise NotImplementedError(
-                f"{type(self).__name__} does not decode against a key/value cache yet: call it without `cache` / "
-                "`use_cache` (the package's sampler does, with `generation_cache='none'`)."
-            )
         if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
             mask = attention_mask  # built by the caller
         else:
             if inputs_embeds is None:
                 inputs_embeds = self.get_input_embeddings()(input_ids)
                 input_ids = None
+            batch_size, fed_length = inputs_embeds.shape[:2]
+            if attention_mask is None:
+                past_length = cache.get_seq_length() if cache is not None else 0
+                attention_mask = torch.ones(
+                    (batch_size, past_length + fed_length), dtype=torch.long, device=inputs_embeds.device
+                )
+            key_position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             if position_ids is None:
-                if attention_mask is None:
-                    position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None]
-                else:
-                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = key_position_ids[:, -fed_length:]
             # A 4-D mask passes through the base models' mask preparation unchanged (Qwen3-MoE takes no dict).
-            mask = block_causal_mask(self.config, inputs_embeds, attention_mask, position_ids, self.config.block_size)
+            mask = block_causal_mask(
+                self.config, inputs_embeds, attention_mask, position_ids, self.config.block_size, key_position_ids
+            )
         return super().forward(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
+            cache=cache,
             inputs_embeds=inputs_embeds,
-            use_cache=False,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
             **kwargs,
         )
 

@@ -511,6 +511,7 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, TRLContractMix
         self.adapter = replace(adapter, terminator_ids=terminators)
         self.eos_token_ids = list(terminators)
         self.diffusion_generation_config = args.to_generation_config()
+        self.diffusion_generation_config.check_model(self.adapter)
         context = self.adapter.context_length
         canvas = args.max_completion_length + (args.max_prompt_length or 0)
         if context is not None and canvas > context:
