@@ -8,7 +8,8 @@ masked position of the current block (argmax, or Gumbel-max at `temperature`), s
 confidence, and commits the most confident ones: as many as the schedule says, or, with `threshold`, every proposal
 at least that confident. With a cache (`generation_cache`), only the first step of a block runs the full sequence;
 the block's other steps recompute the block (and, for the prefix cache, everything after it) against keys and values
-cached at the block's first step.
+cached at the block's first step. A block-causal model (SDAR, LLaDA2) is decoded one of its attention blocks at a
+time on its own grid, counted from each row's first prompt token, and its cache of the finished blocks is exact.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class DiffusionGenerationConfig:
             Length `L` of the completion canvas: the number of mask tokens appended to each prompt.
         block_length (`int`, defaults to `32`):
             Length of the semi-autoregressive blocks, decoded left to right. `max_completion_length` must be a
-            multiple of it; `block_length = max_completion_length` is pure (non-autoregressive) diffusion.
+            multiple of it; `block_length = max_completion_length` is pure (non-autoregressive) diffusion. A
+            block-causal model needs its own `config.block_size`, its blocks being counted from each row's first real
+            prompt token (the first holds the prompt's last tokens, the last is cut short).
         diffusion_steps (`int`, *optional*):
             Denoising steps (forward passes) for the whole completion, shared evenly by the blocks. Defaults to
             `max_completion_length // 2` rounded down to a multiple of the number of blocks; with `threshold`, to
@@ -89,7 +92,9 @@ class DiffusionGenerationConfig:
             reading the positions before and after it from the first step. Both are approximations (cached positions
             do not see the block's later commits) that trade a little quality for speed; `"dual"` needs several
             blocks and computes no predictions after the block, so it excludes `stop_patience`. The model's forward
-            must take a transformers `Cache` (`cache` or `past_key_values`).
+            must take a transformers `Cache` (`cache` or `past_key_values`). For a block-causal model, which never
+            attends to a later block, `"prefix"` is exact (the cache of the finished blocks; a step feeds only the
+            block) and `"dual"` is refused.
         seed (`int`, *optional*):
             Seed of the private generator used when [`generate`] receives none. The global RNG is never used.
     """
@@ -291,7 +296,8 @@ class DiffusionGenerationConfig:
 
     @property
     def num_steps(self) -> int:
-        """The resolved `diffusion_steps`: at most this many forward passes decode a completion."""
+        """The resolved `diffusion_steps`: at most this many forward passes decode a completion (one block's steps more
+        for a block-causal model's row whose prompt length is not a multiple of the block)."""
         if self.diffusion_steps is not None:
             return self.diffusion_steps
         if self.threshold is not None:
