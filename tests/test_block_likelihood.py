@@ -542,15 +542,20 @@ def _trainer_plan(adapter, inputs, sampler, elbo_region, num_mc_samples, output_
     return SequenceELBOTrainer.mask_plan(trainer, batch, 1)
 
 
-@pytest.mark.parametrize("sampler, num_mc_samples", [("stratified", 3), ("coupled", 2)])
-def test_trainer_count_sampler_is_exactly_the_block_elbo(sdar, sdar_cases, sampler, num_mc_samples, tmp_path):
+@pytest.mark.parametrize("elbo_region", ["canvas", "answer"])
+@pytest.mark.parametrize(
+    "sampler, num_mc_samples", [("stratified", 1), ("stratified", 2), ("coupled", 1), ("coupled", 3)]
+)
+def test_trainer_count_sampler_is_exactly_the_block_elbo(
+    sdar, sdar_cases, sampler, num_mc_samples, elbo_region, tmp_path
+):
     """Through the trainer's code path: per block, the rows fall into offset classes (the block's mask sizes), each
     equally often; the class means of `sum_j w_j f_b(l_j) + w'_j f_b(n_b - l_j)`, summed over the blocks, are the
     oracle's block ELBO to 1e-6, and the estimator on the masks drawn (scored by table look-up) is within 4
     standard errors of it."""
     _, adapter = sdar
-    inputs, region, tables = sdar_cases["canvas"]
-    plan = _trainer_plan(adapter, inputs, sampler, "canvas", num_mc_samples, tmp_path)
+    inputs, region, tables = sdar_cases[elbo_region]
+    plan = _trainer_plan(adapter, inputs, sampler, elbo_region, num_mc_samples, tmp_path)
     exact, values = 0.0, torch.zeros(ORACLE_ROWS, dtype=torch.float64)
     for table in tables:
         first = table.positions[0]
@@ -565,6 +570,7 @@ def test_trainer_count_sampler_is_exactly_the_block_elbo(sdar, sdar_cases, sampl
             conditional = conditional + complement_weights * f[table.n - sizes]
             values += (complement_weights * table.scores[table.codes(plan.complement_masks)]).mean(-1)
         classes, inverse, counts = torch.unique(sizes, dim=0, return_inverse=True, return_counts=True)
+        assert len(classes) == (table.n + 1 if sampler == "coupled" else table.n)  # every offset is drawn
         class_means = torch.zeros(len(classes), dtype=torch.float64).index_add_(0, inverse, conditional.mean(-1))
         class_means = class_means / counts
         expected = 1.0 / len(classes)

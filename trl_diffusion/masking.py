@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .generation import completion_lengths
-from .seeding import MASK_COMPLETION, MASK_PAIR, MASK_PROMPT, MASK_SAMPLE, keyed_generator
+from .seeding import MASK_BLOCKS, MASK_COMPLETION, MASK_PAIR, MASK_PROMPT, MASK_SAMPLE, keyed_generator
 
 # GDPO's semi-deterministic estimator: Gauss-Legendre nodes t_k on (0, 1) and weights a_k (summing to 1).
 QUADRATURE_RULES = {
@@ -282,27 +282,91 @@ def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, gen
 
 
 def _region_draws(
-    sampler: str, positions: torch.LongTensor, num_mc_samples: int, eps: float, seed: int, iteration: int, *block: int
+    sampler: str, positions: torch.LongTensor, num_mc_samples: int, eps: float, seed: int, iteration: int
 ) -> list[tuple[torch.LongTensor, float, float]]:
-    """One `(masked positions, weight, complement weight)` per Monte Carlo sample of a region (a completion's, or one
-    block's, whose index `block` then keys its draws apart from the other blocks')."""
+    """One `(masked positions, weight, complement weight)` per Monte Carlo sample of a completion's region."""
     n = positions.numel()
     if sampler in QUADRATURE_RULES:
         draws, node_weights = zip(*quadrature_draws(sampler, num_mc_samples))
         draw_weights = [(weight, 0.0) for weight in node_weights]
     else:
-        generator = keyed_generator(seed, iteration, MASK_COMPLETION, *block)
+        generator = keyed_generator(seed, iteration, MASK_COMPLETION)
         draws = _completion_draws(sampler, n, num_mc_samples, eps, generator)
         draw_weights = [term_weights(sampler, n, draw) for draw in draws]
     views = []
     for mc_index, (draw, weight) in enumerate(zip(draws, draw_weights)):
-        generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index, *block)
+        generator = keyed_generator(seed, iteration, MASK_SAMPLE, mc_index)
         if sampler in ("stratified", "coupled"):
             chosen = positions[torch.randperm(n, generator=generator)[:draw]]
         else:
             chosen = positions[torch.rand(n, generator=generator, dtype=torch.float64) < draw]
         views.append((chosen, *weight))
     return views
+
+
+def _per_block_draws(
+    sampler: str,
+    block_index: torch.LongTensor,
+    num_mc_samples: int,
+    eps: float,
+    seed: int,
+    iteration: int,
+) -> tuple[torch.BoolTensor, torch.Tensor, torch.Tensor]:
+    """The draws of a sampler applied to each block of a completion's region on its own, all blocks at once: the
+    masks, weights and complement weights of every sample at every region position, each `(num_mc_samples, n)`.
+
+    `block_index` (`(n,)`, non-decreasing) numbers the region positions' blocks 0..K-1. One stream gives every block's
+    per-completion draw (its offset, uniform over the block's range, or its timesteps), one stream per sample j a
+    uniform key per position: a count sampler masks the `l_{b,j}` positions of smallest key in block b (a uniform
+    subset of that size), a timestep sampler the positions of key below `t_{b,j}`. So the blocks draw independently,
+    each by the sampler's own rules (sizes from [`stratified_counts`] / [`coupled_counts`], timesteps
+    [`stratified_timesteps`], weights [`term_weights`] for the block's n_b).
+    """
+    sizes = torch.bincount(block_index)  # n_b
+    num_blocks = sizes.numel()
+    samples = torch.arange(num_mc_samples)[:, None]  # (n_t, 1) against (K,) per block
+    generator = keyed_generator(seed, iteration, MASK_BLOCKS)
+    uniforms = torch.rand(num_blocks, num_mc_samples, generator=generator, dtype=torch.float64)
+    if sampler in ("stratified", "coupled"):
+        span = sizes if sampler == "stratified" else sizes + 1  # the sizes l range over span values
+        offsets = (uniforms[:, 0] * span).long().clamp(max=span - 1)  # uniform over 0..span-1 (the clamp: rounding)
+        counts = (offsets + samples * span // num_mc_samples) % span + (1 if sampler == "stratified" else 0)
+        n = sizes.double()
+        if sampler == "stratified":
+            weights = n / counts
+            complement_weights = torch.zeros_like(weights)
+        else:
+            weights = torch.where(counts > 0, (n + 1) / (2 * counts.clamp(min=1)), 0.0)
+            complement_weights = torch.where(counts < sizes, (n + 1) / (2 * (sizes - counts).clamp(min=1)), 0.0)
+    elif sampler in QUADRATURE_RULES:
+        rates, node_weights = zip(*quadrature_draws(sampler, num_mc_samples))
+        timesteps = torch.tensor(rates, dtype=torch.float64)[:, None].expand(-1, num_blocks)
+        weights = torch.tensor(node_weights, dtype=torch.float64)[:, None].expand(-1, num_blocks)
+        complement_weights = torch.zeros_like(weights)
+    else:
+        if sampler == "uniform_t":
+            timesteps = (eps + (1.0 - eps) * uniforms).T
+        else:
+            timesteps = eps + (1.0 - eps) * (uniforms[:, 0] + samples) / num_mc_samples
+        weights = 1.0 / timesteps
+        complement_weights = torch.zeros_like(weights)
+    masks = torch.zeros(num_mc_samples, block_index.numel(), dtype=torch.bool)
+    starts = torch.cumsum(sizes, 0) - sizes
+    for mc_index in range(num_mc_samples):
+        keys = torch.rand(
+            block_index.numel(),
+            generator=keyed_generator(seed, iteration, MASK_SAMPLE, MASK_BLOCKS, mc_index),
+            dtype=torch.float64,
+        )
+        if sampler in ("stratified", "coupled"):
+            # Rank of each position's key within its block: sort by (block, key), then subtract the block's start.
+            order = torch.argsort(block_index.double() * 2 + keys)
+            ranks = torch.empty_like(order)
+            ranks[order] = torch.arange(order.numel())
+            masks[mc_index] = ranks - starts[block_index] < counts[mc_index, block_index]
+        else:
+            masks[mc_index] = keys < timesteps[mc_index, block_index]
+    return masks, weights[:, block_index].float(), complement_weights[:, block_index].float()
 
 
 def block_views(
@@ -383,8 +447,9 @@ def sample_masks(
 
     With `blocks` (a block-causal model, whose likelihood is the block ELBO `sum_b B_b`, each block given the clean
     earlier ones), every sampler but `block` draws per block: the region positions of each attention block are a
-    region of their own, with their own per-block draw (offset or timesteps, keyed by the block's index in the
-    completion, so blocks are independent) and their own masks and weights, stored per position. Each block's part
+    region of their own, with its own draw (offset or timesteps) and its own masks and weights, independent of the
+    other blocks' ([`_per_block_draws`]: one stream for every block's draws, one per sample for the masks), the
+    weights stored per position. Each block's part
     of a term is then the sampler's unbiased term of `B_b` (of `B_b,eps` for `uniform_t` and `stratified_t`; of the
     quadrature of `B_b` for `gauss_*`), and the composite forward scores every block of a view at once. `block`
     picks its one block per view on the model's grid.
@@ -456,15 +521,13 @@ def sample_masks(
                 masks[row, mc_index, chosen] = True
                 weights[row, mc_index], complement_weights[row, mc_index] = weight, complement_weight
             continue
-        row_blocks = blocks_cpu[row, positions]
-        for index, block in enumerate(torch.unique(row_blocks).tolist()):
-            in_block = positions[row_blocks == block]
-            for mc_index, (chosen, weight, complement_weight) in enumerate(
-                _region_draws(sampler, in_block, num_mc_samples, eps, seed, iteration, index)
-            ):
-                masks[row, mc_index, chosen] = True
-                weights[row, mc_index, in_block] = weight
-                complement_weights[row, mc_index, in_block] = complement_weight
+        _, block_index = torch.unique(blocks_cpu[row, positions], return_inverse=True)
+        chosen, position_weights, position_complement_weights = _per_block_draws(
+            sampler, block_index, num_mc_samples, eps, seed, iteration
+        )
+        masks[row][:, positions] = chosen
+        weights[row][:, positions] = position_weights
+        complement_weights[row][:, positions] = position_complement_weights
 
     device = region.device
     if sampler == "block":

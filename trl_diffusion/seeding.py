@@ -12,9 +12,10 @@ Keys of a rollout (`DiffusionRLTrainer`):
 Streams of one mask seed: `trl_diffusion.masking` keys them as derive_seed(mask seed, inner iteration, stream, ...),
 LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
 
-    MASK_COMPLETION  per-completion draws of a Monte Carlo sampler (stratified offset, timesteps); for a
-                     block-causal model one per block, keyed also by the block's index in the completion
-    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index, and by the block's when per block)
+    MASK_COMPLETION  per-completion draws of a Monte Carlo sampler (stratified offset, timesteps)
+    MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index)
+    MASK_BLOCKS      a block-causal model's per-block draws: every block's offset or timesteps; under
+                     (MASK_SAMPLE, MASK_BLOCKS, index) the keys of one sample's masks in every block
     MASK_PROMPT      d1's prompt mask
     LFPO_STATES      LFPO's choice of trajectory states
     MASK_PAIR        coupled-GRPO's complementary pair: the row's timestep t, then one uniform per canvas position
@@ -38,6 +39,7 @@ MASK_SAMPLE = 1
 MASK_PROMPT = 2
 LFPO_STATES = 3
 MASK_PAIR = 4
+MASK_BLOCKS = 5
 SFT_TRAIN_NOISE = 0
 SFT_EVAL_NOISE = 1
 
