@@ -59,6 +59,15 @@ def test_demo_runs_end_to_end_and_its_model_reloads(tmp_path, capsys, monkeypatc
     assert "YOUR_HF_USERNAME/" in printed.out and "<" not in push_command(tmp_path / "model")
 
 
+def test_demo_runs_on_a_block_diffusion_family(tmp_path, capsys):
+    """`--model_family sdar`: the same five stages on a tiny SDAR (block-causal attention in blocks of 4)."""
+    summary = main(["--output_dir", str(tmp_path), *TOY, "--model_family", "sdar", "--min_improvement", "-100"])
+    assert summary["accuracy_reloaded"] == summary["accuracy_after_bgpo"]
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "model")).__name__ == "SDARForCausalLM"
+    printed = capsys.readouterr().out
+    assert "Built a tiny SDAR" in printed and "YOUR_HF_USERNAME/tiny-sdar-bgpo-largest-digit" in printed
+
+
 def test_demo_that_does_not_learn_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit, match="did NOT learn"):
         main(["--output_dir", str(tmp_path), *TOY, "--rl_steps", "1", "--min_improvement", "101"])

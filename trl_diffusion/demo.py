@@ -40,13 +40,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, P
 
 from .evaluation import evaluate_task
 from .generation import DiffusionGenerationConfig
-from .models import build_tiny_llada, build_tiny_tokenizer
+from .models import build_tiny_llada, build_tiny_llada2, build_tiny_sdar, build_tiny_sdar_moe, build_tiny_tokenizer
 from .plotting import plot_training_curves
 from .tasks import get_task
 from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
 
 TASK = "largest_digit"
-HUB_REPO_NAME = "tiny-llada-bgpo-largest-digit"
+HUB_REPO_NAME = "tiny-{family}-bgpo-largest-digit"
 # Share of the SFT answers that are the largest listed digit; the others are the smallest.
 SFT_LARGEST_FRACTION = 0.3
 
@@ -139,27 +139,42 @@ def logs_to_file(path: Path):
         handler.close()
 
 
+# The demo's tiny model of each family (`--model_family`): about the same width and depth; the block models attend in
+# blocks of the task's block length (4).
+FAMILIES = {
+    "llada": ("LLaDA", lambda tokenizer, seed: build_tiny_llada(tokenizer, mlp_hidden_size=256, seed=seed)),
+    "sdar": ("SDAR", lambda tokenizer, seed: build_tiny_sdar(tokenizer, intermediate_size=256, seed=seed)),
+    "sdar_moe": ("SDAR-MoE", lambda tokenizer, seed: build_tiny_sdar_moe(tokenizer, seed=seed)),
+    "llada2": ("LLaDA2", lambda tokenizer, seed: build_tiny_llada2(tokenizer, seed=seed)),
+}
+
+
 def build_and_sft(
     output_dir: Path,
     seed: int = 0,
     sft_steps: int = 600,
     max_completion_length: int | None = None,
     verbose: bool = True,
+    model_family: str = "llada",
 ):
-    """Steps 1 and 2: builds the tiny LLaDA (saved to `output_dir/tiny-llada`) and SFTs it on `largest_digit` with
+    """Steps 1 and 2: builds the tiny model of `model_family` (a key of `FAMILIES`, default LLaDA; saved to
+    `output_dir/tiny-<family>`) and SFTs it on `largest_digit` with
     [`sft_dataset`]'s answers, on a canvas of `max_completion_length` tokens (default: the task's 4, end-of-turn after
     the digit); saves the SFT model to `output_dir/sft-model`. Returns `(sft trainer, tokenizer, train rows, SFT
     model directory)`; `benchmarks/learning.py` starts every trainer from that directory and
     `benchmarks/throughput.py` measures the sampler on an SFT model with a longer canvas. With `verbose`, a progress
     bar and the build line are shown and the per-step logs go to `output_dir/logs/sft.jsonl`."""
+    if model_family not in FAMILIES:
+        raise ValueError(f"Unknown `model_family` {model_family!r}: choose one of {list(FAMILIES)}.")
     task = get_task(TASK)
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_llada(tokenizer, d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=256, seed=seed)
-    base_dir = output_dir / "tiny-llada"
+    label, build = FAMILIES[model_family]
+    model = build(tokenizer, seed)
+    base_dir = output_dir / ("tiny-llada" if model_family == "llada" else f"tiny-{model_family.replace('_', '-')}")
     model.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     if verbose:
-        print(f"[1/5] Built a tiny LLaDA ({sum(p.numel() for p in model.parameters()):,} parameters): {base_dir}")
+        print(f"[1/5] Built a tiny {label} ({sum(p.numel() for p in model.parameters()):,} parameters): {base_dir}")
 
     common = {"report_to": "none", "use_cpu": True, "bf16": False, "seed": seed, "save_strategy": "no"}
     sft_args = DiffusionSFTConfig(
@@ -200,18 +215,25 @@ def greedy_config(task) -> DiffusionGenerationConfig:
     )
 
 
-def push_command(model_dir: Path) -> str:
+def push_command(model_dir: Path, model_family: str = "llada") -> str:
     """The `hf upload` command for the trained model, with the `hf` of this environment (on PATH only when its
     virtual environment is activated) and a placeholder that is not shell syntax."""
     hf = Path(sys.executable).with_name("hf")
     executable = str(hf) if hf.exists() else "hf"
-    return shlex.join([executable, "upload", f"YOUR_HF_USERNAME/{HUB_REPO_NAME}", str(model_dir)])
+    repo = HUB_REPO_NAME.format(family=model_family.replace("_", "-"))
+    return shlex.join([executable, "upload", f"YOUR_HF_USERNAME/{repo}", str(model_dir)])
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="outputs/demo", help="Where models, logs and the plot are written.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the training runs.")
+    parser.add_argument(
+        "--model_family",
+        choices=list(FAMILIES),
+        default="llada",
+        help="The tiny model: LLaDA (default), or a block-diffusion SDAR, SDAR-MoE or LLaDA2.",
+    )
     parser.add_argument("--sft_steps", type=int, default=600, help="Optimiser steps of the SFT stage.")
     parser.add_argument("--rl_steps", type=int, default=800, help="BGPO optimiser steps.")
     parser.add_argument("--rl_learning_rate", type=float, default=1e-3, help="BGPO learning rate.")
@@ -268,7 +290,9 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
     task = get_task(TASK)
     start = time.perf_counter()
 
-    sft, tokenizer, train_rows, sft_dir = build_and_sft(output_dir, seed=args.seed, sft_steps=args.sft_steps)
+    sft, tokenizer, train_rows, sft_dir = build_and_sft(
+        output_dir, seed=args.seed, sft_steps=args.sft_steps, model_family=args.model_family
+    )
     largest = SFT_LARGEST_FRACTION
     print(
         f"[2/5] SFT: {args.sft_steps} steps (answers: {1 - largest:.0%} the smallest digit, {largest:.0%} the "
@@ -351,10 +375,11 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
     print(f"Model: {final_dir} (AutoModelForCausalLM.from_pretrained, after `import trl_diffusion`)")
     print(f"Logs: {output_dir / 'logs'}")
     print("To push the model to the Hub, log in once (`hf auth login`, or set HF_TOKEN), then run:")
-    print(f"  {push_command(final_dir)}")
+    print(f"  {push_command(final_dir, args.model_family)}")
 
     summary = {
         "task": TASK,
+        "model_family": args.model_family,
         "seed": args.seed,
         "num_threads": args.num_threads,
         "num_eval_examples": args.num_eval_examples,
