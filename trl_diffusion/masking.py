@@ -270,7 +270,7 @@ class MaskPlan:
 
 
 def _completion_draws(sampler: str, n: int, num_mc_samples: int, eps: float, generator: torch.Generator) -> list:
-    """The per-completion (per-block) part of a plan: each sample's mask size or timestep."""
+    """The per-completion part of a plan: each sample's mask size or timestep."""
     if sampler == "stratified":
         return stratified_counts(n, num_mc_samples, int(torch.randint(n, (), generator=generator)))
     if sampler == "coupled":
