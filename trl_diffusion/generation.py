@@ -843,6 +843,7 @@ def generate(
         masked = completion == mask_token_id
 
         # Each row decodes the first block that still has masks; rows may be in different blocks under `threshold`.
+        # (A finished row has none: it reads its last position's block, unused.)
         first_masked = torch.where(masked, positions, max_completion_length - 1).min(dim=1).values
         current_block = position_blocks.gather(1, first_masked[:, None]).squeeze(1)
         entered_block = (current_block != block_index) & ~finished
