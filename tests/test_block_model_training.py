@@ -167,3 +167,28 @@ def test_bgpo_memory_is_flat_in_mc_samples_on_the_block_families(family, family_
 
     assert saved_bytes(BGPOConfig, BGPOTrainer, 8) <= 1.10 * saved_bytes(BGPOConfig, BGPOTrainer, 1)
     assert saved_bytes(VRPOConfig, VRPOTrainer, 4) >= 3.0 * saved_bytes(VRPOConfig, VRPOTrainer, 1)
+
+
+def test_sft_loss_on_a_block_model_is_the_block_diffusion_loss(family_dirs, tiny_tokenizer, tmp_path):
+    """SFT on a block-causal model predicts each noisy block from the clean blocks before it: its loss is
+    `-sum_masked log p / t / L` with the log-probs of the package's block-diffusion likelihood (composite forward),
+    not those of the noisy canvas run as one sequence."""
+    from trl_diffusion.likelihood import masked_token_logprobs
+
+    dataset = Dataset.from_dict({"prompt": ["ab=", "hello=", "x=", "cd="], "completion": ["baba", "o", "xyzxy", "dc"]})
+    args = tiny_config(DiffusionSFTConfig, tmp_path, per_device_train_batch_size=4, max_completion_length=8)
+    trainer = DiffusionSFTTrainer(
+        model=family_dirs["sdar"], args=args, train_dataset=dataset, processing_class=tiny_tokenizer
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    completion_ids = batch["completion_ids"]
+    generator = torch.Generator().manual_seed(0)
+    timesteps = 0.2 + 0.7 * torch.rand(completion_ids.shape[0], generator=generator)
+    masked = torch.rand(completion_ids.shape, generator=generator) < timesteps[:, None]
+    with torch.no_grad():
+        per_completion, _ = trainer.masked_diffusion_loss(trainer.model, batch, timesteps, masked)
+        logprobs = masked_token_logprobs(
+            trainer.model, trainer.adapter, batch["prompt_ids"], batch["prompt_mask"], completion_ids, masked
+        )
+    expected = -(logprobs.sum(-1) / timesteps) / completion_ids.shape[1]
+    torch.testing.assert_close(per_completion, expected, rtol=1e-5, atol=1e-6)

@@ -385,9 +385,13 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, SFTTrainer):
         prompt_ids, prompt_mask, completion_ids = inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"]
         batch_size, max_completion_length = completion_ids.shape
         noisy_completion = completion_ids.masked_fill(masked, self.adapter.mask_token_id)
-        canvas = torch.cat([prompt_ids, noisy_completion], dim=1)
-        attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-        logits = self.adapter.logits(model, canvas, attention_mask, num_logits=max_completion_length)
+        if self.adapter.block_causal:
+            # Each noisy block is predicted from the clean blocks before it (the block-diffusion ELBO), in one forward.
+            logits = self.adapter.composite_logits(model, prompt_ids, prompt_mask, noisy_completion, completion_ids)
+        else:
+            canvas = torch.cat([prompt_ids, noisy_completion], dim=1)
+            attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+            logits = self.adapter.logits(model, canvas, attention_mask, num_logits=max_completion_length)
 
         # Only the masked positions go through the softmax: (num_masked, vocab) rather than (batch, L, vocab).
         masked_logits = logits[masked]
