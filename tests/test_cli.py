@@ -611,6 +611,37 @@ def test_sdar_example_runs_one_step(tiny_tokenizer, tmp_path):
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 
+def test_bgpo_command_trains_a_llada2_with_its_lora_rule(tiny_tokenizer, tmp_path):
+    """`trl-diffusion bgpo --model_name_or_path <LLaDA2> --use_peft`: the family's LoRA targets (attention, the dense
+    layer and the shared experts) without `--lora_target_modules`, blocks of the model's size."""
+    from trl_diffusion.models import build_tiny_llada2
+
+    model_dir = save_checkpoint(build_tiny_llada2(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-llada2")
+    argv = [
+        "bgpo",
+        "--model_name_or_path",
+        model_dir,
+        "--dataset_name",
+        "countdown",
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    argv += [*TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16", "--max_steps", "1"]
+    argv += ["--per_device_train_batch_size", "4", "--num_mc_samples", "2", "--use_peft", "--lora_r", "4"]
+    argv += ["--use_cpu", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    assert main(argv) == 0
+    adapter_config = json.loads((tmp_path / "o" / "adapter_config.json").read_text())
+    assert set(adapter_config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+
+
 def test_just_grpo_example_runs_one_step_with_a_parallel_evaluation(tiny_llada_dir, tmp_path):
     """JustGRPO's recipe (full fine-tuning, left-to-right rollouts: no --block_length / --diffusion_steps flags) on a
     tiny model, on Countdown instead of GSM8K (a download), 2 positions per pass; its evaluation decodes with the
