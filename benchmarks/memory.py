@@ -2,27 +2,33 @@
 
 Swept parameter: `num_mc_samples` (VRPO, BGPO; ESPO: coupled pairs, two forward passes each) and `lfpo_num_states`
 K (LFPO, with `lfpo_group_size` fixed to the micro-batch rows, so every block holds the same number of states). Every
-point runs ONE `training_step` (forward and backward; no optimiser step, no generation) on the same pre-generated
-rollout batch, fed through a patched `_prepare_inputs`, and records
+point runs two optimiser steps as `Trainer.train` runs them (`training_step`, i.e. forward and backward, then gradient
+clipping, the optimiser's step and `zero_grad`; no generation) on the same pre-generated rollout batch, fed through a
+patched `_prepare_inputs`, with activation (gradient) checkpointing enabled as `Trainer.train` enables it (TRL's
+default, on; `--gradient-checkpointing false` measures the activations themselves), and records
 
-- the peak bytes of tensors saved for backward (`trl_diffusion.utils.SavedTensorsMeter`: exact, machine-independent);
-- the peak process memory of the step above the memory held just before it: on the CPU the resident set's high-water
-  mark (`VmHWM`, reset to the current RSS right before the step through `/proc/self/clear_refs`, after `gc` and
-  `malloc_trim`; Linux), on a GPU `torch.cuda.max_memory_allocated` above `memory_allocated` (peak stats reset
-  before). On the CPU glibc's mmap threshold is pinned at 128 KiB (`--malloc-defaults` leaves it dynamic), so that
-  the figure follows the live tensors rather than heap fragmentation (see `_fix_mmap_threshold`).
+- the peak bytes of tensors saved for backward (`trl_diffusion.utils.SavedTensorsMeter`: exact, machine-independent;
+  with checkpointing only what is saved outside the checkpointed blocks, as non-reentrant checkpointing's own
+  saved-tensor hooks hide the blocks' saves from the meter: the process figure is then the one to read);
+- the peak process memory of the two steps above the memory held just before them (the model and the batch): on the
+  CPU the resident set's high-water mark (`VmHWM`, reset to the current RSS right before the steps through
+  `/proc/self/clear_refs`, after `gc` and `malloc_trim`; Linux), on a GPU `torch.cuda.max_memory_allocated` above
+  `memory_allocated` (peak stats reset before). It includes the parameter gradients and the optimiser's state (AdamW's
+  two moments, allocated at the first step and held through the second step's forward and backward; its exact size is
+  `optimiser_state_bytes`). On the CPU glibc's allocator runs at its defaults, as in a training process;
+  `--pin-mmap-threshold` pins its mmap threshold at 128 KiB, so that the figure follows the live tensors rather than
+  heap fragmentation (see `_fix_mmap_threshold`).
 
 Each point runs in a fresh process (on the CPU forked from a multiprocessing fork server that has imported the
 libraries but never run a model; with CUDA spawned), so no allocator cache or high-water mark carries over from
-another point. `getrusage`'s
-`ru_maxrss` cannot be reset, so a peak during trainer construction would hide the step's; hence the `clear_refs`
-reset. The process figure includes the parameter gradients, allocated during the step (the same at every point).
+another point. `getrusage`'s `ru_maxrss` cannot be reset, so a peak during trainer construction would hide the
+steps'; hence the `clear_refs` reset.
 
-Settings fixed for the sweep: `beta=0`, `num_iterations=1` (on-policy: no old or reference passes, neither changes
-the step's activations) and `gradient_checkpointing=False` (measure the activations themselves). Advantages are fixed
-to alternating +1 / -1, so that every loss term carries gradient.
+Settings fixed for the sweep: `beta=0` and `num_iterations=1` (on-policy: no old or reference passes, neither changes
+the step's activations). Advantages are fixed to alternating +1 / -1, so that every loss term carries gradient.
 
-    python benchmarks/memory.py                  # CPU, small model (3 minutes on 2 cores)
+    python benchmarks/memory.py                  # CPU, small model, glibc's defaults (~8.5 minutes on 2 cores)
+    python benchmarks/memory.py --pin-mmap-threshold --name memory_pinned_malloc   # the second row: pinned
     python benchmarks/memory.py --device cuda    # one GPU, ~318M-parameter model
     python benchmarks/memory.py --smoke          # seconds: CI's check that the script runs
 
@@ -66,6 +72,9 @@ from _common import (
 
 from trl_diffusion.utils import SavedTensorsMeter
 
+# Optimiser steps measured per point: the second runs its forward and backward with the optimiser's state held (Adam
+# allocates it at the first step) and the allocator as a running training leaves it.
+STEPS = 2
 SWEPT = {"vrpo": "num_mc_samples", "bgpo": "num_mc_samples", "espo": "num_mc_samples", "lfpo": "lfpo_num_states"}
 # Acceptance thresholds of the issue: BGPO within 10% from the smallest to the largest n, VRPO linear.
 FLAT_TOLERANCE = 0.10
@@ -174,29 +183,62 @@ def generate_batch(job: dict) -> dict:
     return {"prompt_length": batch["prompt_ids"].shape[1], "completion_length": batch["completion_canvas"].shape[1]}
 
 
+def enable_checkpointing_as_train(trainer) -> None:
+    """Activation (gradient) checkpointing switched on as `transformers.Trainer.train` switches it on, from the
+    config's `activation_checkpointing` (TRL's configs: `gradient_checkpointing=True` by default) and its kwargs.
+    `training_step` called outside `train()` never gets it otherwise."""
+    args = trainer.args
+    if not args.activation_checkpointing:
+        return
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    every_n_layers = kwargs.pop("every_n_layers", 1)
+    offload = kwargs.pop("offload", False)
+    trainer.model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+    )
+
+
+def optimiser_state_bytes(optimizer) -> int:
+    """Bytes of the tensors the optimiser keeps between steps (Adam's two moments and step counts)."""
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
 def measure_point(job: dict) -> dict:
-    """Worker: one training step of `job["trainer"]` at `job["n"]` on the saved batch; its peak memory figures."""
+    """Worker: `STEPS` optimiser steps of `job["trainer"]` at `job["n"]` on the saved batch (each: `training_step`,
+    clipping, the optimiser's step, `zero_grad`), checkpointing as `Trainer.train` enables it; their peak memory."""
     set_threads(job["threads"])
     if job["fix_mmap_threshold"]:
         _fix_mmap_threshold()
     name, n, device = job["trainer"], job["n"], job["device"]
     rollout = RolloutSize(**job["rollout"])
-    overrides = {SWEPT[name]: n, "beta": 0.0, "num_iterations": 1, "gradient_checkpointing": False}
+    overrides = {SWEPT[name]: n, "beta": 0.0, "num_iterations": 1, "gradient_checkpointing": job["checkpointing"]}
     if name == "lfpo":
         overrides["lfpo_group_size"] = rollout.rows
     trainer = make_trainer(name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]), **overrides)
+    enable_checkpointing_as_train(trainer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trainer._prepare_inputs = lambda inputs: inputs  # the fixed batch, as given: no rollout
+    optimizer = trainer.create_optimizer()  # the optimiser `train()` would build; its state appears at its first step
     batch = torch.load(job["batch_path"], map_location=trainer.accelerator.device, weights_only=False)
     with torch.no_grad():
         batch.update(trainer._score_rollouts(batch, "train"))  # LFPO's state masks; nothing for the others
 
+    seconds = []
     try:
         with PeakMemory(device) as process, SavedTensorsMeter() as saved:
-            start = clock(device)
-            trainer.training_step(trainer.model, batch)
-            seconds = clock(device) - start
+            for _ in range(STEPS):
+                start = clock(device)
+                trainer.training_step(trainer.model, batch)
+                trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
+                optimizer.step()
+                trainer.model.zero_grad()
+                seconds.append(clock(device) - start)
     except torch.cuda.OutOfMemoryError:
         return {"trainer": name, "n": n, "out_of_memory": True}
     if saved.live_bytes != 0:
@@ -207,7 +249,10 @@ def measure_point(job: dict) -> dict:
         "saved_peak_bytes": saved.peak_bytes,
         "process_peak_bytes": process.peak_bytes,
         "process_baseline_bytes": process.baseline_bytes,
-        "step_seconds": round(seconds, 4),
+        "optimiser_state_bytes": optimiser_state_bytes(optimizer),
+        "gradient_checkpointing": bool(trainer.args.activation_checkpointing),
+        "step_seconds": round(seconds[-1], 4),
+        "step_seconds_all": [round(value, 4) for value in seconds],
     }
 
 
@@ -264,7 +309,7 @@ def acceptance(summary: dict) -> dict:
     return checks
 
 
-def plot(points: list[dict], summary: dict, device: str, path: Path) -> None:
+def plot(points: list[dict], summary: dict, device: str, malloc: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,7 +347,12 @@ def plot(points: list[dict], summary: dict, device: str, path: Path) -> None:
         axis.set_title(title, fontsize=11)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8, loc="upper left")
-    figure.suptitle("Memory of one training step on a fixed rollout batch (log-log)", fontsize=12)
+    checkpointing = "on" if points and points[0]["gradient_checkpointing"] else "off"
+    figure.suptitle(
+        f"Memory of {STEPS} optimiser steps on a fixed rollout batch, optimiser state included, gradient "
+        f"checkpointing {checkpointing}, {malloc} (log-log)",
+        fontsize=11,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -324,10 +374,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Largest n for a trainer (default: the preset's caps, e.g. vrpo=32 espo=16).",
     )
     parser.add_argument(
-        "--malloc-defaults",
+        "--pin-mmap-threshold",
         action="store_true",
-        help="CPU: leave glibc's dynamic mmap threshold on (heap fragmentation then shows in the process figures "
-        "of objectives with several backward passes; see benchmarks/README.md).",
+        help="CPU: pin glibc's mmap threshold at 128 KiB in each point's process (default: glibc's dynamic "
+        "threshold, as a training process runs; pinned, the process figure follows the live tensors rather than heap "
+        "fragmentation; see benchmarks/README.md).",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=("true", "false"),
+        default="true",
+        help="Activation checkpointing, enabled as Trainer.train enables it (default true: TRL's default).",
     )
     return parser.parse_args(argv)
 
@@ -338,7 +395,8 @@ def main(argv=None) -> dict:
     points = tuple(sorted(args.points or preset.points))
     max_points = {**preset.max_points, **{k: int(v) for k, v in (item.split("=") for item in args.max_n)}}
     threads = args.threads if device == "cpu" else None
-    fix_mmap_threshold = device == "cpu" and not args.malloc_defaults
+    fix_mmap_threshold = device == "cpu" and args.pin_mmap_threshold
+    checkpointing = args.gradient_checkpointing == "true"
     context = fresh_process_context(device)
     started = time.perf_counter()
 
@@ -353,11 +411,14 @@ def main(argv=None) -> dict:
             "device": device,
             "threads": threads,
             "fix_mmap_threshold": fix_mmap_threshold,
+            "checkpointing": checkpointing,
         }
         shape = run_in_fresh_process(context, generate_batch, job)
+        malloc = "pinned mmap threshold" if fix_mmap_threshold else "glibc's default allocator settings"
         print(
             f"rollout batch: {preset.rollout.rows} completions, prompt {shape['prompt_length']} + canvas "
-            f"{shape['completion_length']} tokens"
+            f"{shape['completion_length']} tokens; {STEPS} optimiser steps per point, gradient checkpointing "
+            f"{'on' if checkpointing else 'off'}, {malloc if device == 'cpu' else 'CUDA caching allocator'}"
         )
         results, skipped = [], []
         for name in args.trainers:
@@ -375,7 +436,8 @@ def main(argv=None) -> dict:
                     continue
                 print(
                     f"{LABELS[name]:>5} n={n:<3} saved {mib(result['saved_peak_bytes']):9.1f} MiB, process "
-                    f"{mib(result['process_peak_bytes']):9.1f} MiB, step {result['step_seconds']:.2f} s"
+                    f"{mib(result['process_peak_bytes']):9.1f} MiB (optimiser state "
+                    f"{mib(result['optimiser_state_bytes']):.1f}), step {result['step_seconds']:.2f} s"
                 )
                 results.append(result)
         model = model_description(model_dir)
@@ -418,13 +480,19 @@ def main(argv=None) -> dict:
         "model": model,
         "rollout": {**asdict(preset.rollout), **shape},
         "swept": SWEPT,
-        "fixed_settings": {"beta": 0.0, "num_iterations": 1, "gradient_checkpointing": False, "advantages": "+1/-1"},
+        "fixed_settings": {
+            "beta": 0.0,
+            "num_iterations": 1,
+            "gradient_checkpointing": checkpointing,
+            "advantages": "+1/-1",
+            "optimiser_steps": STEPS,
+        },
         "lfpo_group_size": preset.rollout.rows,
         "process_memory": "cuda_max_memory_allocated" if device == "cuda" else "rss_high_water_mark",
         "step_seconds_clock": CLOCK_NAMES[device],
         "glibc_mmap_threshold": ("fixed at 128 KiB" if fix_mmap_threshold else "glibc default")
         if device == "cpu"
-        else None,
+        else "n/a (CUDA)",
         "points": results,
         "skipped": skipped,
         "summary": summary,
@@ -432,7 +500,12 @@ def main(argv=None) -> dict:
         "table": table,
         "seconds": round(elapsed, 1),
     }
-    return save_results(args, payload, plot, results, summary, device)
+    malloc = (
+        "CUDA caching allocator"
+        if device == "cuda"
+        else payload["glibc_mmap_threshold"].replace("fixed", "mmap threshold pinned")
+    )
+    return save_results(args, payload, plot, results, summary, device, malloc)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import demo_robustness  # noqa: E402
 import learning  # noqa: E402
+import long_answers  # noqa: E402
 import memory  # noqa: E402
 import sampler_head  # noqa: E402
 import step_time  # noqa: E402
@@ -56,11 +57,18 @@ def test_memory_smoke(tmp_path):
     for point in points:
         assert {"saved_peak_bytes", "process_peak_bytes", "process_baseline_bytes", "step_seconds"} <= point.keys()
         assert point["saved_peak_bytes"] > 0 and point["process_peak_bytes"] > 0
+        # Two optimiser steps per point, with checkpointing enabled as Trainer.train enables it (TRL's default) and
+        # the optimiser's state (AdamW: two moments per parameter) held during the second.
+        assert point["gradient_checkpointing"] is True and len(point["step_seconds_all"]) == memory.STEPS == 2
+        assert point["optimiser_state_bytes"] >= 2 * 4 * payload["model"]["parameters"]
+    assert payload["glibc_mmap_threshold"] == "glibc default"
     for name, summary in payload["summary"].items():
         assert {"ratio_max_to_min", "slope", "intercept", "r2"} <= summary["saved_peak_bytes"].keys(), name
-    # Exact and machine-independent: all-graphs VRPO saves n times what one sample saves; BGPO saves the same.
-    assert payload["summary"]["vrpo"]["saved_peak_bytes"]["ratio_max_to_min"] == pytest.approx(4, rel=0.05)
-    assert payload["summary"]["bgpo"]["saved_peak_bytes"]["ratio_max_to_min"] == pytest.approx(1, rel=0.05)
+    # Machine-independent: all-graphs VRPO saves about n times what one sample saves, BGPO about the same at every n
+    # (with checkpointing the meter sees only what is saved outside the checkpointed blocks, whose own saved-tensor
+    # hooks hide the rest; without it the ratios are exact: tests/test_bgpo.py).
+    assert payload["summary"]["vrpo"]["saved_peak_bytes"]["ratio_max_to_min"] == pytest.approx(4, rel=0.1)
+    assert payload["summary"]["bgpo"]["saved_peak_bytes"]["ratio_max_to_min"] == pytest.approx(1, rel=0.15)
     assert set(payload["acceptance"]) == {
         f"{check}_{metric}"
         for check in ("bgpo_flat", "vrpo_linear")
@@ -117,22 +125,53 @@ def test_step_time_samples_per_backward_smoke(tmp_path):
 
 
 def test_throughput_smoke(tmp_path):
-    throughput.main(["--smoke", "--output-dir", str(tmp_path)])
+    throughput.main(["--smoke", "--output-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")])
     payload = load_outputs(tmp_path, "throughput")
     measured = [result for result in payload["results"] if "seconds" in result]
-    assert {result["decoding"] for result in measured} == {"fixed", "threshold"}
-    assert len(payload["results"]) == 2 * len(payload["cache_modes"])
+    assert {(result["decoding"], result["early_stop"]) for result in measured} == {
+        (decoding, early_stop) for decoding in ("fixed", "threshold") for early_stop in (False, True)
+    }
+    assert len(payload["results"]) == 4 * len(payload["cache_modes"])
     for result in measured:
-        assert result["tokens_per_second"] > 0 and result["forward_passes"] > 0
-        assert result["tokens_per_forward"] == pytest.approx(
-            result["max_completion_length"] / result["forward_passes"]
-        )
-        assert 0 <= result["agreement"] <= 1 and 0 <= result["accuracy"] <= 1
-    baseline = next(result for result in measured if (result["decoding"], result["cache"]) == ("fixed", "none"))
-    assert baseline["speedup"] == 1 and baseline["agreement"] == 1
-    # Without --model-dir the CPU presets measure the demo's SFT model.
-    assert payload["trained_on_task"] is True and payload["task"] == "largest_digit"
+        assert result["real_tokens_per_second"] > 0 and result["forward_passes"] > 0
+        rows, length = payload["batch"]["rows"], result["max_completion_length"]
+        assert 0 < result["real_tokens"] <= rows * length
+        assert result["real_tokens_per_second"] <= result["canvas_tokens_per_second"]
+        if not result["early_stop"]:
+            assert result["tokens_per_forward"] == pytest.approx(length / result["forward_passes"])
+        for metric in ("agreement", "exact", "canvas_agreement", "accuracy", "reference_match"):
+            assert 0 <= result[metric] <= 1, metric
+    baseline = next(
+        result
+        for result in measured
+        if (result["decoding"], result["early_stop"], result["cache"]) == throughput.BASELINE
+    )
+    assert baseline["speedup"] == 1 and baseline["agreement"] == 1 and baseline["exact"] == 1
+    # Without --model-dir the CPU presets measure the long-answer SFT model, cached under --work-dir.
+    assert payload["trained_on_task"] is True and payload["task"] == "largest_digit" and payload["sft"] == "long"
+    assert payload["model"]["sft_record"]["recipe"] == long_answers.RECIPES["smoke"].as_json()
     assert [best["max_completion_length"] for best in payload["cache_threshold_best"]] == [16]
+
+
+def test_long_answers(tmp_path):
+    """The long-answer recipe: 102 characters, the model cached by recipe, and the real-content measures on a
+    hand-made example."""
+    assert long_answers.long_answer([3, 8, 1, 6, 4]) == (
+        "The five digits are 3, 8, 1, 6 and 4. Put in increasing order: 1, 3, 4, 6, 8. So the largest one is 8."
+    )
+    assert len(long_answers.long_answer([9, 0, 2, 7, 5])) == 102
+    recipe = long_answers.RECIPES["smoke"]
+    model_dir = long_answers.long_answer_model(tmp_path, recipe, verbose=False)
+    weights = model_dir / "model.safetensors"
+    built = weights.stat().st_mtime_ns
+    assert long_answers.long_answer_model(tmp_path, recipe, verbose=False) == model_dir
+    assert weights.stat().st_mtime_ns == built  # reused, not retrained
+    # Real content: up to and including the first terminator (id 9 here); fill after it is not counted.
+    reference = torch.tensor([[1, 2, 9, 9, 9], [1, 2, 3, 4, 5]])
+    other = torch.tensor([[1, 2, 9, 4, 4], [1, 0, 3, 4, 9]])
+    assert long_answers.real_lengths(reference, [9]).tolist() == [3, 5]
+    measures = long_answers.real_content_agreement(other, reference, [9])
+    assert measures == {"agreement": 6 / 8, "exact": 0.5}
 
 
 def test_learning_smoke(tmp_path):
