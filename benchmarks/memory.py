@@ -317,9 +317,15 @@ def plot(points: list[dict], summary: dict, device: str, malloc: str, path: Path
     from matplotlib.ticker import LogLocator, ScalarFormatter
 
     process_label = "peak CUDA memory above baseline (MiB)" if device == "cuda" else "peak RSS above baseline (MiB)"
+    checkpointed = bool(points and points[0]["gradient_checkpointing"])
+    saved_title = (
+        "Saved for backward outside the checkpointed blocks (exact)"
+        if checkpointed
+        else "Activations saved for backward (exact)"
+    )
     panels = [
-        ("saved_peak_bytes", "peak bytes saved for backward (MiB)", "Activations saved for backward (exact)"),
-        ("process_peak_bytes", process_label, "Process memory of the step (fresh process per point)"),
+        ("saved_peak_bytes", "peak bytes saved for backward (MiB)", saved_title),
+        ("process_peak_bytes", process_label, f"Process memory of the {STEPS} steps (fresh process per point)"),
     ]
     figure, axes = plt.subplots(1, 2, figsize=(12, 5))
     all_n = sorted({point["n"] for point in points})
@@ -347,7 +353,7 @@ def plot(points: list[dict], summary: dict, device: str, malloc: str, path: Path
         axis.set_title(title, fontsize=11)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8, loc="upper left")
-    checkpointing = "on" if points and points[0]["gradient_checkpointing"] else "off"
+    checkpointing = "on" if checkpointed else "off"
     figure.suptitle(
         f"Memory of {STEPS} optimiser steps on a fixed rollout batch, optimiser state included, gradient "
         f"checkpointing {checkpointing}, {malloc} (log-log)",
