@@ -21,7 +21,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Split, WeightConverter, WeightRenaming
 
-from .sdar import BlockCausalMixin
+from .sdar import BlockCausalMixin, finish_block_causal_config
 
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|>
 LLADA2_BLOCK_SIZE = 32
@@ -104,9 +104,7 @@ class LLaDA2MoeConfig(Glm4MoeConfig):
         self.n_shared_experts = self.num_shared_experts
         super().__post_init__(**kwargs)
         self.rope_parameters.setdefault("partial_rotary_factor", 0.5)
-        self.is_causal = False
-        if self.block_size < 1:
-            raise ValueError(f"`block_size` must be a positive number of positions, got {self.block_size}.")
+        finish_block_causal_config(self)
 
 
 class LLaDA2MoeModelLM(BlockCausalMixin, Glm4MoeForCausalLM):

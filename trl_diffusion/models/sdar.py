@@ -132,6 +132,14 @@ def block_diffusion_mask(
     )
 
 
+def finish_block_causal_config(config) -> None:
+    """What every block-causal config sets after its parent's `__post_init__`: `is_causal` off (the model builds the
+    block-causal mask itself) and a positive `block_size`."""
+    config.is_causal = False
+    if config.block_size < 1:
+        raise ValueError(f"`block_size` must be a positive number of positions, got {config.block_size}.")
+
+
 class BlockCausalMixin:
     """The forward of a block-causal model on a Qwen3-family `...ForCausalLM`: builds the block-causal mask from the
     2-D padding mask and the position ids (from the padding mask when not given) and hands it to the base model.
@@ -225,9 +233,7 @@ class SDARConfig(Qwen3Config):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        self.is_causal = False
-        if self.block_size < 1:
-            raise ValueError(f"`block_size` must be a positive number of positions, got {self.block_size}.")
+        finish_block_causal_config(self)
 
 
 @strict
@@ -275,9 +281,7 @@ class SDARMoeConfig(Qwen3MoeConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        self.is_causal = False
-        if self.block_size < 1:
-            raise ValueError(f"`block_size` must be a positive number of positions, got {self.block_size}.")
+        finish_block_causal_config(self)
 
 
 class SDARForCausalLM(BlockCausalMixin, Qwen3ForCausalLM):
