@@ -49,7 +49,8 @@ from helpers import (
 # ---------------------------------------------------------------------------------------------- shared helpers
 
 # name -> (config class, trainer class), from the command line's registry.
-TRAINERS = {name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "coupled_grpo", "wd1", "just_grpo", "spg")
+TRAINERS = {
+    name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "coupled_grpo", "wd1", "just_grpo", "spg")
 }
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
 LEFT_TO_RIGHT = dict(block_length=1, diffusion_steps=None)

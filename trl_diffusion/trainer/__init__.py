@@ -18,10 +18,10 @@ from .lfpo_config import LFPOConfig, lfpo_inference_config
 from .lfpo_trainer import LFPOTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 from .sequence_elbo_trainer import SequenceELBOTrainer
-from .spg_config import SPGConfig
-from .spg_trainer import SPGTrainer
 from .sft_config import DiffusionSFTConfig
 from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
+from .spg_config import SPGConfig
+from .spg_trainer import SPGTrainer
 from .token_loss_trainer import TokenLossTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
