@@ -101,23 +101,46 @@ def view_logprobs(
     prompt_mask: torch.Tensor,
     completion_ids: torch.LongTensor,
     plan: MaskPlan,
-    mc_index: int,
+    mc_indices: Sequence[int] | None = None,
+    complement: bool = False,
 ) -> torch.Tensor:
-    """Per-token log-probs of Monte Carlo view j: `log p(y_i | x, y with M_j and its context masked)` at the
-    positions `M_j` it scores, 0 elsewhere, shape `(batch, completion_length)`; differentiable.
+    """Per-token log-probs of Monte Carlo views `mc_indices`: `log p(y_i | x, y with M_j and its context masked)` at
+    the positions `M_j` view j scores, 0 elsewhere, from one forward pass over the k views stacked along the batch
+    dimension (a batch of `k * batch` canvases; activation memory grows with k); differentiable.
 
     Args:
         model, adapter, prompt_ids, prompt_mask, completion_ids:
             As in [`masked_token_logprobs`].
         plan ([`MaskPlan`]):
-            The masks of the rows (a `coupled` plan's complement pass is not part of the view).
-        mc_index (`int`):
-            Which view j.
+            The masks of the rows.
+        mc_indices (`Sequence[int]`, *optional*):
+            Which views, k of them (default: all, in order).
+        complement (`bool`, *optional*, defaults to `False`):
+            The `coupled` plan's complement passes instead (`complement_masks`, no context).
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, k, completion_length)`, view i at index i.
     """
-    device = completion_ids.device
-    context = None if plan.context_masks is None else plan.context_masks[:, mc_index].to(device)
-    masks = plan.masks[:, mc_index].to(device)
-    return masked_token_logprobs(model, adapter, prompt_ids, prompt_mask, completion_ids, masks, context)
+    indices = list(range(plan.num_mc_samples)) if mc_indices is None else list(mc_indices)
+    masks, context = (plan.complement_masks, None) if complement else (plan.masks, plan.context_masks)
+    num_views, batch = len(indices), completion_ids.shape[0]
+
+    def stack(views: torch.Tensor | None) -> torch.Tensor | None:  # (batch, n_t, L) -> (k * batch, L)
+        if views is None:
+            return None
+        return views[:, indices].to(completion_ids.device).transpose(0, 1).reshape(num_views * batch, -1)
+
+    # The k views are stacked view-major, as `repeat` stacks the canvases: row v * batch + b is view v of row b.
+    logprobs = masked_token_logprobs(
+        model,
+        adapter,
+        prompt_ids.repeat(num_views, 1),
+        prompt_mask.repeat(num_views, 1),
+        completion_ids.repeat(num_views, 1),
+        stack(masks),
+        stack(context),
+    )
+    return logprobs.view(num_views, batch, -1).transpose(0, 1)
 
 
 def elbo_term(
@@ -177,22 +200,10 @@ def stacked_elbo_terms(
         `torch.FloatTensor` of shape `(batch, k)`, column i the term `mc_indices[i]`.
     """
     indices = list(mc_indices)
-    num_views, batch = len(indices), completion_ids.shape[0]
-    # The k views are stacked view-major, as `repeat` stacks the canvases: row v * batch + b is view v of row b.
-    stacked = prompt_ids.repeat(num_views, 1), prompt_mask.repeat(num_views, 1), completion_ids.repeat(num_views, 1)
-
-    def stack(views: torch.Tensor | None) -> torch.Tensor | None:  # (batch, n_t, L) -> (k * batch, L)
-        if views is None:
-            return None
-        return views[:, indices].to(completion_ids.device).transpose(0, 1).reshape(num_views * batch, -1)
-
-    def views(masks: torch.BoolTensor, context: torch.BoolTensor | None) -> torch.Tensor:  # (batch, k, L)
-        logprobs = masked_token_logprobs(model, adapter, *stacked, stack(masks), stack(context))
-        return logprobs.view(num_views, batch, -1).transpose(0, 1)
-
-    terms = plan.weighted_sums(views(plan.masks, plan.context_masks), indices)
+    inputs = model, adapter, prompt_ids, prompt_mask, completion_ids, plan, indices
+    terms = plan.weighted_sums(view_logprobs(*inputs), indices)
     if plan.complement_masks is not None:
-        terms = terms + plan.weighted_sums(views(plan.complement_masks, None), indices, complement=True)
+        terms = terms + plan.weighted_sums(view_logprobs(*inputs, complement=True), indices, complement=True)
     return terms
 
 

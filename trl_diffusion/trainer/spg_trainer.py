@@ -14,7 +14,7 @@ class SPGTrainer(SequenceELBOTrainer):
     REINFORCE on likelihood bounds: a completion with advantage `A >= 0` pushes up a lower bound of its
     log-likelihood, one with `A < 0` pushes down an upper bound (or a mixture), so that the surrogate stays below the
     true objective on both sides. Per completion, m Monte Carlo views (`num_mc_samples`, the `block` sampler by
-    default: one block scored, the earlier blocks clean, the later ones masked) give, in one forward per view,
+    default: one block scored, the earlier blocks clean, the later ones masked) give, in one forward over the views stacked,
 
     - the lower bound `E = (1 / N) * mean_j w_j * S(M_j)`: the package's ELBO estimate (`elbo_terms`) over the
       answer length N;
@@ -84,13 +84,7 @@ class SPGTrainer(SequenceELBOTrainer):
         plan = self.mask_plan(inputs, iteration)
         prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
         with self.accelerator.autocast():
-            logprobs = torch.stack(
-                [
-                    view_logprobs(model, self.adapter, prompt_ids, prompt_mask, canvas, plan, mc_index)
-                    for mc_index in range(plan.num_mc_samples)
-                ],
-                dim=1,
-            ).float()
+            logprobs = view_logprobs(model, self.adapter, prompt_ids, prompt_mask, canvas, plan).float()
         elbo = plan.weighted_sums(logprobs).mean(dim=1)
         lower = elbo / self.elbo_normaliser(inputs)
         return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
