@@ -122,24 +122,17 @@ PRESETS = {
 
 
 def _accuracy(model, tokenizer, num_examples: int, canvas: tuple[int, int]) -> float:
-    from trl_diffusion.demo import TASK
+    from trl_diffusion.demo import TASK, greedy_config
     from trl_diffusion.evaluation import evaluate_task
-    from trl_diffusion.generation import DiffusionGenerationConfig
     from trl_diffusion.tasks import get_task
 
     task = get_task(TASK)
-    max_completion_length, block_length = canvas
     result = evaluate_task(
         model,
         tokenizer,
         task,
         num_examples=num_examples,
-        # The demo's greedy evaluation (one token per step) on the benchmark's canvas.
-        generation_config=DiffusionGenerationConfig(
-            max_completion_length=max_completion_length,
-            block_length=block_length,
-            diffusion_steps=max_completion_length,
-        ),
+        generation_config=greedy_config(task, *canvas),  # the demo's greedy evaluation on the benchmark's canvas
         batch_size=200,
         seed=0,  # the same test prompts for every seed and trainer
         progress_bar=False,

@@ -206,12 +206,16 @@ def build_and_sft(
     return sft, tokenizer, train_rows, sft_dir
 
 
-def greedy_config(task) -> DiffusionGenerationConfig:
-    """The held-out evaluation's decoding: greedy, one token per step, the task's canvas and blocks."""
+def greedy_config(
+    task, max_completion_length: int | None = None, block_length: int | None = None
+) -> DiffusionGenerationConfig:
+    """The held-out evaluation's decoding: greedy, one token per step, on the task's canvas and blocks unless
+    `max_completion_length` / `block_length` are given."""
+    max_completion_length = max_completion_length or task.max_completion_length
     return DiffusionGenerationConfig(
-        max_completion_length=task.max_completion_length,
-        block_length=task.block_length,
-        diffusion_steps=task.max_completion_length,
+        max_completion_length=max_completion_length,
+        block_length=block_length or task.block_length,
+        diffusion_steps=max_completion_length,
     )
 
 
