@@ -114,6 +114,36 @@ def tiny_trainer(trainer_class, model, args, *, peft=False, reward_funcs=distinc
     )
 
 
+def trainer_mask_plan(
+    adapter,
+    completion_ids,
+    num_rows: int,
+    output_dir,
+    *,
+    prompt_mask=None,
+    iteration: int = 1,
+    seed: int = 2024,
+    **settings,
+):
+    """The masks a sequence-ELBO trainer draws for `num_rows` copies of one completion with distinct row seeds (from
+    a generator seeded by `seed`): `SequenceELBOTrainer.mask_plan` on a `SequenceELBOConfig` of `settings`, exactly
+    as VRPO, BGPO, ESPO and SPG call it (every mask stays a function of its row seed). `prompt_mask` (one row) places
+    a block-causal model's grid."""
+    from types import SimpleNamespace
+
+    from trl_diffusion.masking import new_mask_seeds
+    from trl_diffusion.trainer import SequenceELBOConfig, SequenceELBOTrainer
+
+    trainer = SimpleNamespace(args=tiny_grpo_config(SequenceELBOConfig, output_dir, **settings), adapter=adapter)
+    batch = {
+        "completion_canvas": completion_ids.expand(num_rows, -1),
+        "mask_seeds": new_mask_seeds(num_rows, torch.Generator().manual_seed(seed)),
+    }
+    if prompt_mask is not None:
+        batch["prompt_mask"] = prompt_mask.expand(num_rows, -1)
+    return SequenceELBOTrainer.mask_plan(trainer, batch, iteration)
+
+
 def rollout_batch(trainer, num_prompts: int = 2, inner_iteration: int = 0) -> dict:
     """One rollout batch built the way training builds it (the trainer's sampler, rewards, advantages and stored
     terms) from `num_prompts` conversational [`say_prompts`], each repeated `num_generations` times, as the loss

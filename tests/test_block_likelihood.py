@@ -12,7 +12,6 @@ Exact expectations enumerate every per-block draw jointly over the blocks and ev
 import dataclasses
 import itertools
 import math
-import types
 
 import numpy as np
 import pytest
@@ -32,7 +31,6 @@ from trl_diffusion.masking import (
     MaskPlan,
     completion_region,
     coupled_counts,
-    new_mask_seeds,
     sample_masks,
     sample_prompt_masks,
     stratified_counts,
@@ -46,9 +44,8 @@ from trl_diffusion.models import (
     build_tiny_sdar_moe,
 )
 from trl_diffusion.models.sdar import block_diffusion_mask
-from trl_diffusion.trainer import SequenceELBOConfig, SequenceELBOTrainer
 
-from helpers import tiny_grpo_config
+from helpers import tiny_grpo_config, trainer_mask_plan
 
 RELATIVE_TOLERANCE = 1e-6
 EPS = 0.05
@@ -523,23 +520,19 @@ ORACLE_ROWS = 2000
 
 
 def _trainer_plan(adapter, inputs, sampler, elbo_region, num_mc_samples, output_dir):
-    """The masks `SequenceELBOTrainer.mask_plan` draws for `ORACLE_ROWS` copies of one rollout, distinct row seeds."""
-    args = tiny_grpo_config(
-        SequenceELBOConfig,
+    """The masks a sequence-ELBO trainer draws for `ORACLE_ROWS` copies of one rollout (`helpers.trainer_mask_plan`)."""
+    _, prompt_mask, completion_ids = inputs
+    return trainer_mask_plan(
+        adapter,
+        completion_ids,
+        ORACLE_ROWS,
         output_dir,
+        prompt_mask=prompt_mask,
         mask_sampler=sampler,
         elbo_region=elbo_region,
         num_mc_samples=num_mc_samples,
         timestep_eps=EPS,
     )
-    trainer = types.SimpleNamespace(args=args, adapter=adapter)
-    _, prompt_mask, completion_ids = inputs
-    batch = {
-        "prompt_mask": prompt_mask.expand(ORACLE_ROWS, -1),
-        "completion_canvas": completion_ids.expand(ORACLE_ROWS, -1),
-        "mask_seeds": new_mask_seeds(ORACLE_ROWS, torch.Generator().manual_seed(2024)),
-    }
-    return SequenceELBOTrainer.mask_plan(trainer, batch, 1)
 
 
 @pytest.mark.parametrize("elbo_region", ["canvas", "answer"])

@@ -9,7 +9,6 @@ until context matters, so that a biased offset or timestep draw fails.
 import dataclasses
 import itertools
 import math
-import types
 
 import numpy as np
 import pytest
@@ -29,16 +28,15 @@ from trl_diffusion.masking import (
     completion_region,
     coupled_counts,
     length_normaliser,
-    new_mask_seeds,
     sample_masks,
     sample_prompt_masks,
     stratified_counts,
     stratified_timesteps,
     term_weights,
 )
-from trl_diffusion.trainer import SequenceELBOConfig, SequenceELBOTrainer
+from trl_diffusion.trainer import SequenceELBOConfig
 
-from helpers import tiny_grpo_config
+from helpers import tiny_grpo_config, trainer_mask_plan
 
 RELATIVE_TOLERANCE = 1e-6
 GAUSS_LEGENDRE_NODES = 8  # exact for polynomials of degree <= 15; the integrands have degree n - 1 <= 5
@@ -620,21 +618,18 @@ def test_trained_model_makes_the_mask_matter(context_llama, context_cases, tiny_
         assert abs(table.elbo(ORACLE_EPS) - table.elbo()) > 0.05 * abs(table.elbo())
 
 
-def _trainer_plan(adapter, completion_ids, sampler, elbo_region, num_mc_samples, output_dir, iteration=1):
-    """The masks a sequence-ELBO trainer draws for `ORACLE_ROWS` copies of one completion with distinct row seeds:
-    `SequenceELBOTrainer.mask_plan` on a trainer's config (every mask stays a function of its row seed)."""
-    args = tiny_grpo_config(
-        SequenceELBOConfig,
+def _trainer_plan(adapter, completion_ids, sampler, elbo_region, num_mc_samples, output_dir):
+    """The masks a sequence-ELBO trainer draws for `ORACLE_ROWS` copies of one completion (`helpers.trainer_mask_plan`)."""
+    return trainer_mask_plan(
+        adapter,
+        completion_ids,
+        ORACLE_ROWS,
         output_dir,
         mask_sampler=sampler,
         elbo_region=elbo_region,
         num_mc_samples=num_mc_samples,
         timestep_eps=ORACLE_EPS,
     )
-    trainer = types.SimpleNamespace(args=args, adapter=adapter)
-    seeds = new_mask_seeds(ORACLE_ROWS, torch.Generator().manual_seed(2024))
-    inputs = {"completion_canvas": completion_ids.expand(ORACLE_ROWS, -1), "mask_seeds": seeds}
-    return SequenceELBOTrainer.mask_plan(trainer, inputs, iteration)
 
 
 def _plan_values(plan, table):

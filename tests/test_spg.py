@@ -13,7 +13,6 @@
 
 import itertools
 import math
-import types
 
 import pytest
 import torch
@@ -25,11 +24,11 @@ from test_objective_oracles import (  # noqa: F401  (sensitive_llada_dir is a fi
 )
 
 from trl_diffusion.likelihood import exact_elbo
-from trl_diffusion.masking import completion_region, length_normaliser, new_mask_seeds, sample_masks
+from trl_diffusion.masking import completion_region, length_normaliser, sample_masks
 from trl_diffusion.models import DiffusionAdapter
-from trl_diffusion.trainer import SequenceELBOConfig, SequenceELBOTrainer, SPGConfig, SPGTrainer
+from trl_diffusion.trainer import SPGConfig, SPGTrainer
 
-from helpers import gradients, rollout_batch, tiny_grpo_config, tiny_trainer
+from helpers import gradients, rollout_batch, tiny_grpo_config, tiny_trainer, trainer_mask_plan
 
 TOLERANCE = 1e-6
 ORACLE_ROWS = 3000
@@ -150,10 +149,13 @@ def test_eubo_at_beta_one_can_fall_below_the_log_likelihood(context_tables):
 
 def trainer_plan(adapter, completion_ids, block_length, num_mc_samples, output_dir, elbo_region="canvas"):
     """The masks a sequence-ELBO trainer draws with `mask_sampler="block"` for `ORACLE_ROWS` copies of one
-    completion with distinct row seeds."""
-    args = tiny_grpo_config(
-        SequenceELBOConfig,
+    completion (`helpers.trainer_mask_plan`)."""
+    return trainer_mask_plan(
+        adapter,
+        completion_ids,
+        ORACLE_ROWS,
         output_dir,
+        seed=7,
         mask_sampler="block",
         elbo_region=elbo_region,
         num_mc_samples=num_mc_samples,
@@ -161,10 +163,6 @@ def trainer_plan(adapter, completion_ids, block_length, num_mc_samples, output_d
         block_length=block_length,
         diffusion_steps=None,
     )
-    trainer = types.SimpleNamespace(args=args, adapter=adapter)
-    seeds = new_mask_seeds(ORACLE_ROWS, torch.Generator().manual_seed(7))
-    inputs = {"completion_canvas": completion_ids.expand(ORACLE_ROWS, -1), "mask_seeds": seeds}
-    return SequenceELBOTrainer.mask_plan(trainer, inputs, 1)
 
 
 @pytest.mark.parametrize(
