@@ -185,7 +185,7 @@ def test_eval_help_lists_every_field(capsys):
     help_text = capsys.readouterr().out
     assert all(f"--{f.name} " in help_text for f in dataclasses.fields(EvalScriptArguments))
     sampler = [f.name for f in dataclasses.fields(DiffusionGenerationConfig)]
-    assert all(f"--{name} " in help_text for name in sampler if name not in ("record_steps", "seed"))
+    assert all(f"--{name} " in help_text for name in sampler if name not in eval_script.OMITTED_SAMPLER_FIELDS)
     # No flag for what eval does not read (the canvas history); one `--seed`, eval's own.
     assert "--record_steps" not in help_text and len(re.findall(r"^  --seed ", help_text, re.MULTILINE)) == 1
 
@@ -259,7 +259,7 @@ def test_training_flags_are_fields_the_command_reads(command):
 def test_eval_flags_are_its_arguments_and_the_sampler_fields():
     flags = set(eval_script.make_parser().flags)
     own = {f.name for f in dataclasses.fields(EvalScriptArguments)}
-    sampler = {f.name for f in dataclasses.fields(DiffusionGenerationConfig)} - {"record_steps", "seed"}
+    sampler = {f.name for f in dataclasses.fields(DiffusionGenerationConfig)} - set(eval_script.OMITTED_SAMPLER_FIELDS)
     assert flags == own | sampler
     source = _sources("trl_diffusion.scripts.eval")
     assert all(re.search(rf"args\.{name}\b", source) for name in own)  # the sampler goes whole to evaluate_task
@@ -532,6 +532,21 @@ EXAMPLES = {
     "just_grpo_gsm8k": "just_grpo",
     "spg_countdown": "spg",
     "bgpo_sdar_countdown": "bgpo",
+    "trace_rl_gsm8k": "trace_rl",
+    "cj_grpo_sudoku": "cj_grpo",
+    "agrpo_sudoku": "agrpo",
+}
+# The examples with preset switches (`--block_model`, `--egspo`, ...): flag -> the fields it sets.
+EXAMPLE_PRESETS = {
+    "trace_rl_gsm8k": {"--block_model": {"transition_grouping": 1, "transition_reduction": "response"}},
+    "agrpo_sudoku": {
+        "--egspo": {
+            "transition_selection": "top_entropy",
+            "ratio_level": "transition",
+            "lookahead_return_weight": 0.0,
+        },
+        "--egspo_sa": {"transition_selection": "top_entropy", "lookahead_return_weight": 0.5},
+    },
 }
 
 
@@ -595,6 +610,80 @@ def test_spg_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--load_in_4bit", "false"]
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("spg", module.RECIPE, argv) == 0
+    assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("name", "flag"), [(name, flag) for name, presets in EXAMPLE_PRESETS.items() for flag in presets]
+)
+def test_example_preset_switch_sets_its_fields(name, flag, tmp_path):
+    """An example's preset switch is taken off the command line and its fields reach the trainer's config; without
+    it the recipe is unchanged."""
+    module = load_example(name)
+    recipe, arguments = module.recipe_and_arguments(["--max_steps", "3", flag])
+    assert arguments == ["--max_steps", "3"]
+    assert module.recipe_and_arguments(["--max_steps", "3"]) == (module.RECIPE, ["--max_steps", "3"])
+    parser = make_training_parser(EXAMPLES[name])
+    assert not parser.set_defaults_with_config(**recipe)
+    _, config, _ = parser.parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "false", *arguments]
+    )
+    assert config.max_steps == 3
+    assert {field: getattr(config, field) for field in EXAMPLE_PRESETS[name][flag]} == EXAMPLE_PRESETS[name][flag]
+
+
+def test_trace_rl_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """TraceRL's recipe (full fine-tuning, shrinkage 8, k3 towards the old policy) on a tiny model, on Countdown
+    instead of GSM8K (a download); every prompt kept (a random model passes none, and the filter would leave the loss
+    empty)."""
+    module = load_example("trace_rl_gsm8k")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += ["--dataset_name", "countdown", *TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4"]
+    argv += ["--gradient_accumulation_steps", "1", "--pass_rate_range", "0", "1", "--transition_grouping", "4"]
+    assert run_recipe("trace_rl", module.RECIPE, argv) == 0
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_trace_rl_block_model_example_runs_one_step(tiny_tokenizer, tmp_path):
+    """TraceRL's block-model recipe (`--block_model`: every step a transition, the response-length reduction,
+    threshold decoding) on a tiny SDAR in blocks of 4."""
+    from trl_diffusion.models import build_tiny_sdar
+
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-sdar")
+    module = load_example("trace_rl_gsm8k")
+    recipe, _ = module.recipe_and_arguments(["--block_model"])
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path / "run")]
+    argv += ["--dataset_name", "countdown", *TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16"]
+    argv += ["--max_steps", "1", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
+    argv += ["--pass_rate_range", "0", "1"]
+    assert run_recipe("trace_rl", recipe, argv) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_cj_grpo_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """CJ-GRPO's recipe (LoRA, mu = 8, ascending step sizes with EOS early rejection, k3 to the reference) on a tiny
+    model: one block of 16 tokens in its 4 ascending steps (1, 2, 4, 9 tokens)."""
+    module = load_example("cj_grpo_sudoku")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--block_length", "16", "--diffusion_steps", "4", "--max_steps", "1"]
+    argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--lora_r", "4"]
+    argv += ["--lora_alpha", "8"]
+    assert run_recipe("cj_grpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("preset", [None, "--egspo_sa"])
+def test_agrpo_example_runs_one_step(preset, tiny_llada_dir, tmp_path):
+    """AGRPO's recipe (LoRA, entropy-proportional Monte Carlo over steps, ratios against the sampler, random
+    unmasking) on a tiny model, and EGSPO-SA's (top-entropy steps, step-level ratios, look-ahead returns; its base in
+    float32 instead of 4-bit)."""
+    module = load_example("agrpo_sudoku")
+    recipe, _ = module.recipe_and_arguments([preset] if preset else [])
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--load_in_4bit", "false"]
+    argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
+    argv += ["--num_selected_transitions", "4", "--warmup_steps", "0"]
+    assert run_recipe("agrpo", recipe, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
 
 

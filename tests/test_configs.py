@@ -29,7 +29,8 @@ from helpers import cli_args, cpu_argv
 
 GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 SAMPLER_ADDITIONS = {"block_length", "cfg_scale", "defer_terminators", "diffusion_steps", "early_stop"}
-SAMPLER_ADDITIONS |= {"generation_cache", "remasking", "schedule", "threshold"}
+SAMPLER_ADDITIONS |= {"eos_rejection_max", "eos_rejection_min", "generation_cache", "remasking", "schedule"}
+SAMPLER_ADDITIONS |= {"threshold"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +250,7 @@ CLI_VALUES = {
     "remasking": "margin",
     "cfg_scale": 1.5,
     "threshold": 0.9,
+    "eos_rejection_max": 0.9,
     "max_prompt_length": 64,
     "num_mc_samples": 3,
     "mc_samples_per_backward": 2,  # BGPO: at most num_mc_samples
@@ -280,6 +282,9 @@ CLI_VALUES = {
     # wd1
     "psi": 0.5,
 }
+# Non-default values that exclude another field's (EOS early rejection and `defer_terminators`, which is flipped):
+# field -> (value, the field it excludes), parsed in a second command line with the excluded field left at its default.
+SEPARATE_CLI_VALUES = {"eos_rejection_min": (0.05, "defer_terminators")}
 # Fields that are another field under a former name: checked through `Spec.extra_parse`, not set with it.
 ALIASES = {"warmup_ratio"}
 
@@ -353,8 +358,11 @@ def test_fields_added_or_redefaulted(config_class):
 def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     fields = fields_to_parse(config_class)
     assert fields
-    expected = {}
+    expected, separate = {}, {}
     for f in fields:
+        if f.name in SEPARATE_CLI_VALUES:
+            separate[f.name] = SEPARATE_CLI_VALUES[f.name][0]
+            continue
         value = non_default_value(config_class, f)
         assert value != f.default, f.name
         expected[f.name] = value
@@ -365,3 +373,9 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     extra_argv, extra_expected = SPECS[config_class].extra_parse
     (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv + list(extra_argv))
     assert {name: getattr(config, name) for name in extra_expected} == extra_expected
+    if separate:
+        excluded = {SEPARATE_CLI_VALUES[name][1] for name in separate}
+        others = {name: value for name, value in expected.items() if name not in excluded}
+        argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args({**others, **separate})]
+        (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
+        assert {name: getattr(config, name) for name in separate} == separate

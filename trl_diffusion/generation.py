@@ -1,6 +1,6 @@
 """The denoising sampler of masked diffusion language models (LLaDA's semi-autoregressive sampler, with Dream's
 remasking strategies, classifier-free guidance, Fast-dLLM's confidence-threshold parallel decoding and key/value
-caches, and early stopping at a terminator).
+caches, early stopping at a terminator, and CJ-GRPO's ascending schedule and EOS early rejection).
 
 The full sequence is `[prompt (left-padded) | canvas]`, the canvas being `max_completion_length` mask tokens. The
 completion is decoded block by block, left to right. Every step runs the model once, proposes a token `x0` for each
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from .models.adapter import CanvasCache, DiffusionAdapter
 from .utils.deprecation import renamed_fields
 
-SCHEDULES = ("linear", "cosine")
+SCHEDULES = ("linear", "cosine", "ascending")
 REMASKING_STRATEGIES = ("low_confidence", "random", "entropy", "margin")
 # Confidences of these strategies are probabilities, so a threshold in (0, 1] means something for them.
 THRESHOLD_REMASKING_STRATEGIES = ("low_confidence", "margin")
@@ -50,13 +50,16 @@ class DiffusionGenerationConfig:
         diffusion_steps (`int`, *optional*):
             Denoising steps (forward passes) for the whole completion, shared evenly by the blocks. Defaults to
             `max_completion_length // 2` rounded down to a multiple of the number of blocks; with `threshold`, to
-            `max_completion_length`. With `threshold` it is an upper bound: confident steps commit more tokens and
-            blocks finish sooner.
+            `max_completion_length`; with `schedule="ascending"`, to `floor(log2(block_length))` steps per block (at
+            least one). With `threshold` it is an upper bound: confident steps commit more tokens and blocks finish
+            sooner.
         schedule (`str`, defaults to `"linear"`):
             How many tokens each step of a block commits. `"linear"`: LLaDA's even split of the block's masked
             count over its steps, the remainder going to the first steps. `"cosine"`: MaskGIT's schedule, the
             fraction still masked after step `j` of `S` being `cos(pi/2 * (j + 1) / S)` (few tokens first, more
-            later), at least one token per step.
+            later), at least one token per step. `"ascending"`: CJ-GRPO's Ascending Step-Size schedule, step `i`
+            committing `2^i` tokens and the last step the rest (a block of 256 in 8 steps: 1, 2, 4, ..., 64, 129), so
+            a block takes at most `floor(log2(block_length)) + 1` steps.
         remasking (`str`, defaults to `"low_confidence"`):
             Confidence that decides which proposals are committed: `"low_confidence"` (probability of the proposed
             token), `"random"` (uniform scores), `"entropy"` (negative entropy of the prediction; higher is more
@@ -84,6 +87,22 @@ class DiffusionGenerationConfig:
         defer_terminators (`bool`, defaults to `False`):
             Give proposals that are terminators the lowest confidence, so that they are committed only when the
             schedule runs out of other positions (LLaDA 1.5's `confidence_eos_eot_inf`).
+        eos_rejection_min (`float`, *optional*):
+            CJ-GRPO's EOS Early Rejection (EOSER): `gamma_min`, the factor on the confidence of terminator proposals
+            at a block's first step. At step `i` of a block of `S` steps the confidence of every proposal that is a
+            terminator is multiplied by `gamma(t) = gamma_min + (gamma_max - gamma_min) * t`, with `t = i / (S - 1)`
+            (`t = 1` when `S = 1`), or `t = (2^(i+1) - 1) / 2^S` under `schedule="ascending"`, so terminators are
+            committed early only when they are much more confident than the rest. Changes which positions are
+            committed, never their tokens. Needs `0 < eos_rejection_min <= eos_rejection_max <= 1` and terminator ids;
+            excludes `remasking="entropy"` (a negative confidence, which the factor would raise) and
+            `defer_terminators`. `None` is off.
+        eos_rejection_max (`float`, defaults to `1.0`):
+            EOSER's `gamma_max`, the factor that `t = 1` reaches (read only with `eos_rejection_min`).
+        record_commit_logprobs (`bool`, defaults to `False`):
+            Record, for every committed position, the log-probability of its token and the entropy of the
+            distribution it was drawn from at its step (`commit_logprob`, `commit_entropy` and `commit_sampled` of
+            [`DiffusionGenerationOutput`]), as trajectory-level RL trainers need. Costs a log-softmax over the
+            committed positions of each step; the decoding is the same with and without it.
         generation_cache (`str`, defaults to `"none"`):
             Key/value caching of the denoising steps (Fast-dLLM). `"none"`: every step runs the full sequence.
             `"prefix"`: the first step of a block runs the full sequence and caches it; the block's other steps feed
@@ -109,14 +128,15 @@ class DiffusionGenerationConfig:
         default=None,
         metadata={
             "help": "Denoising steps for the whole completion, split evenly over the blocks. Default: "
-            "`max_completion_length // 2` (a multiple of the number of blocks), or `max_completion_length` with "
-            "`threshold` (an upper bound then)."
+            "`max_completion_length // 2` (a multiple of the number of blocks), `max_completion_length` with "
+            "`threshold` (an upper bound then), or floor(log2(block_length)) per block with `schedule=ascending`."
         },
     )
     schedule: str = field(
         default="linear",
         metadata={
-            "help": "Tokens committed per step of a block: `linear` (LLaDA's even split) or `cosine` (MaskGIT).",
+            "help": "Tokens committed per step of a block: `linear` (LLaDA's even split), `cosine` (MaskGIT) or "
+            "`ascending` (CJ-GRPO: 1, 2, 4, ... tokens, the last step the rest).",
             "choices": list(SCHEDULES),
         },
     )
@@ -167,6 +187,24 @@ class DiffusionGenerationConfig:
         metadata={
             "help": "Give terminator proposals the lowest confidence so they are committed last (LLaDA 1.5's "
             "`confidence_eos_eot_inf`)."
+        },
+    )
+    eos_rejection_min: float | None = field(
+        default=None,
+        metadata={
+            "help": "EOS Early Rejection (CJ-GRPO's EOSER): scale the confidence of terminator proposals by "
+            "gamma(t), rising from this value at a block's first step to `eos_rejection_max` at its last. None is off."
+        },
+    )
+    eos_rejection_max: float = field(
+        default=1.0,
+        metadata={"help": "EOSER's gamma_max, the factor on terminator confidences at a block's last step."},
+    )
+    record_commit_logprobs: bool = field(
+        default=False,
+        metadata={
+            "help": "Return the log-probability and entropy of every committed token's sampling distribution "
+            "(`commit_logprob`, `commit_entropy`, `commit_sampled`), for trajectory-level trainers."
         },
     )
     generation_cache: str = field(
@@ -225,6 +263,15 @@ class DiffusionGenerationConfig:
                     f"({self.max_completion_length}): a step commits at least one token, so more steps than tokens "
                     "only adds forward passes."
                 )
+            # The first S - 1 ascending steps commit 2^(S-1) - 1 tokens and must leave the last step at least one.
+            max_ascending_steps = self.num_blocks * self.block_length.bit_length()
+            if self.schedule == "ascending" and self.diffusion_steps > max_ascending_steps:
+                raise ValueError(
+                    f"`diffusion_steps` ({self.diffusion_steps}) is too many for `schedule='ascending'`: S steps per "
+                    f"block commit 2^(S-1) - 1 tokens before the last, at most `block_length - 1` "
+                    f"({self.block_length - 1}). Use at most diffusion_steps={max_ascending_steps} "
+                    f"({self.block_length.bit_length()} per block), or None for the default."
+                )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Unknown `schedule` {self.schedule!r}: choose one of {SCHEDULES}.")
         if self.remasking not in REMASKING_STRATEGIES:
@@ -243,6 +290,23 @@ class DiffusionGenerationConfig:
                 raise ValueError(
                     f"`threshold` needs a confidence that is a probability: set `remasking` to one of "
                     f"{THRESHOLD_REMASKING_STRATEGIES} (got {self.remasking!r})."
+                )
+        if self.eos_rejection_min is not None:
+            if not 0 < self.eos_rejection_min <= self.eos_rejection_max <= 1:
+                raise ValueError(
+                    f"EOS early rejection needs 0 < `eos_rejection_min` <= `eos_rejection_max` <= 1 (got "
+                    f"{self.eos_rejection_min} and {self.eos_rejection_max}; CJ-GRPO uses 0.01 and 1.0), or "
+                    "`eos_rejection_min=None` to turn it off."
+                )
+            if self.remasking == "entropy":
+                raise ValueError(
+                    "`eos_rejection_min` scales confidences down, and the confidence of `remasking='entropy'` is "
+                    "negative (scaling it would raise it): use `remasking='low_confidence'` or `'margin'` with it."
+                )
+            if self.defer_terminators:
+                raise ValueError(
+                    "`eos_rejection_min` and `defer_terminators` both hold terminators back, and `defer_terminators` "
+                    "already commits them last: set one of them only."
                 )
         if self.stop_patience is not None and self.stop_patience < 1:
             raise ValueError(f"`stop_patience` must be at least 1 (or None to turn it off), got {self.stop_patience}.")
@@ -300,6 +364,8 @@ class DiffusionGenerationConfig:
         for a block-causal model's row whose prompt length is not a multiple of the block)."""
         if self.diffusion_steps is not None:
             return self.diffusion_steps
+        if self.schedule == "ascending":
+            return self.num_blocks * max(1, self.block_length.bit_length() - 1)
         if self.threshold is not None:
             return self.max_completion_length
         return max(self.num_blocks, self.max_completion_length // 2 // self.num_blocks * self.num_blocks)
@@ -307,6 +373,25 @@ class DiffusionGenerationConfig:
     @property
     def steps_per_block(self) -> int:
         return self.num_steps // self.num_blocks
+
+    def eos_rejection_factor(self, block_step: torch.LongTensor) -> torch.Tensor:
+        """EOSER's `gamma(t)` (see `eos_rejection_min`): the factor on the confidence of terminator proposals.
+
+        Args:
+            block_step (`torch.LongTensor` of shape `(batch,)`):
+                Each row's step within its block, `0 .. steps_per_block - 1`.
+
+        Returns:
+            `torch.Tensor` of shape `(batch,)`, float32.
+        """
+        num_steps = self.steps_per_block
+        step = block_step.double()
+        if self.schedule == "ascending":
+            progress = (2 ** (step + 1) - 1) / 2**num_steps
+        else:
+            progress = step / (num_steps - 1) if num_steps > 1 else torch.ones_like(step)
+        gamma = self.eos_rejection_min + (self.eos_rejection_max - self.eos_rejection_min) * progress
+        return gamma.float()
 
 
 @dataclass
@@ -335,6 +420,20 @@ class DiffusionGenerationOutput:
             The mask token, to rebuild intermediate canvases.
         history (`list[torch.LongTensor]`, *optional*):
             The canvases (shape `(batch, prompt_length + max_completion_length)`) at the configured `record_steps`.
+        commit_logprob (`torch.FloatTensor` of shape `(batch, max_completion_length)`, *optional*):
+            With `record_commit_logprobs`: the float32 log-probability of each committed token under the
+            distribution it was sampled from at its step, `log_softmax(logits / temperature)` (temperature 1 when
+            greedy) over the vocabulary without the mask token, from the (guided) float32 logits of the proposals; 0
+            where `commit_sampled` is False.
+        commit_entropy (`torch.FloatTensor` of shape `(batch, max_completion_length)`, *optional*):
+            With `record_commit_logprobs`: the entropy of that distribution; 0 where `commit_sampled` is False.
+        commit_sampled (`torch.BoolTensor` of shape `(batch, max_completion_length)`, *optional*):
+            With `record_commit_logprobs`: True where the token was drawn from its step's distribution, False where
+            it was filled without sampling (the EOS fill of `early_stop`, the prediction fill of `stop_patience`).
+        remasks_committed (`bool`, defaults to `False`):
+            Whether the sampler ever put a committed position back to the mask token. No built-in remasking strategy
+            does, so `commit_step` (one commit per position) rebuilds every intermediate state; a trainer that
+            rebuilds its states from `commit_step` must refuse a rollout where this is True.
     """
 
     sequences: torch.LongTensor
@@ -345,6 +444,10 @@ class DiffusionGenerationOutput:
     tokens_per_forward: float
     mask_token_id: int
     history: list[torch.LongTensor] | None = None
+    commit_logprob: torch.FloatTensor | None = None
+    commit_entropy: torch.FloatTensor | None = None
+    commit_sampled: torch.BoolTensor | None = None
+    remasks_committed: bool = False
 
     def sequence_at(self, step: int | torch.Tensor) -> torch.LongTensor:
         """The full sequence that went into step `step`: every completion position committed at `step` or later masked.
@@ -381,7 +484,8 @@ def num_transfer_tokens(masked_counts: torch.LongTensor, num_steps: int, schedul
         num_steps (`int`):
             Steps of the block.
         schedule (`str`, defaults to `"linear"`):
-            `"linear"` or `"cosine"` (see [`DiffusionGenerationConfig`]).
+            `"linear"`, `"cosine"` or `"ascending"` (see [`DiffusionGenerationConfig`]). A row with fewer masked
+            positions than `"ascending"` needs commits `min(2^i, what is left)` at step `i`, the last step the rest.
 
     Returns:
         `torch.LongTensor` of shape `(batch, num_steps)` whose rows sum to `masked_counts`.
@@ -401,6 +505,16 @@ def num_transfer_tokens(masked_counts: torch.LongTensor, num_steps: int, schedul
             target = torch.minimum(target.clamp(min=num_steps - 1 - step), still_masked - 1).clamp(min=0)
             counts.append(still_masked - target)
             still_masked = target
+        return torch.stack(counts, dim=1)
+    if schedule == "ascending":
+        counts = []
+        still_masked = masked_counts
+        for step in range(num_steps - 1):
+            # 2^62 already exceeds any block; 2^63 would overflow int64.
+            count = still_masked.clamp(max=2 ** min(step, 62))
+            counts.append(count)
+            still_masked = still_masked - count
+        counts.append(still_masked)
         return torch.stack(counts, dim=1)
     raise ValueError(f"Unknown `schedule` {schedule!r}: choose one of {SCHEDULES}.")
 
@@ -642,10 +756,15 @@ def _confidence(
     if remasking == "low_confidence":
         return logits.softmax(dim=-1).gather(-1, candidates[:, None]).squeeze(-1)
     if remasking == "entropy":
-        log_probs = logits.log_softmax(dim=-1)
-        return (log_probs.exp() * log_probs).sum(dim=-1)
+        return _negative_entropy(logits.log_softmax(dim=-1))
     top2 = logits.softmax(dim=-1).topk(2, dim=-1).values
     return top2[:, 0] - top2[:, 1]
+
+
+def _negative_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """`sum p log p` over the last dimension; a token of probability 0 (the mask token, whose logit is -inf) adds 0,
+    not `0 * -inf = nan`."""
+    return (log_probs.exp() * log_probs.clamp(min=torch.finfo(log_probs.dtype).min)).sum(dim=-1)
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:
@@ -716,6 +835,11 @@ def _check_inputs(
             )
     if config.early_stop and not adapter.terminator_ids:
         raise ValueError("`early_stop` needs terminator ids: pass `terminator_ids=` to `DiffusionAdapter.from_model`.")
+    if config.eos_rejection_min is not None and not adapter.terminator_ids:
+        raise ValueError(
+            "`eos_rejection_min` scales the confidence of terminator proposals and the adapter has no terminator "
+            "ids: pass `terminator_ids=` to `DiffusionAdapter.from_model`, or set `eos_rejection_min=None`."
+        )
     if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(input_ids):
         raise ValueError(f"Got {len(generator)} generators for {len(input_ids)} rows: pass one, or one per row.")
 
@@ -834,6 +958,11 @@ def generate(
     stable_steps = torch.zeros(batch_size, dtype=torch.long, device=device)
     record_steps = set(config.record_steps or ())
     recorded = {}
+    commit_logprob = commit_entropy = commit_sampled = None
+    if config.record_commit_logprobs:
+        commit_logprob = torch.zeros((batch_size, max_completion_length), dtype=torch.float32, device=device)
+        commit_entropy = torch.zeros_like(commit_logprob)
+        commit_sampled = torch.zeros((batch_size, max_completion_length), dtype=torch.bool, device=device)
 
     step = num_forward_passes = 0
     # A block-causal row whose prompt length is not a multiple of the block has one block more.
@@ -916,6 +1045,10 @@ def generate(
         if config.defer_terminators:
             is_terminator = torch.isin(candidates, terminator_ids)
             confidence = confidence.masked_fill(is_terminator, torch.finfo(confidence.dtype).min)
+        if config.eos_rejection_min is not None:
+            gamma = config.eos_rejection_factor(block_step).repeat_interleave(row_counts)
+            is_terminator = torch.isin(candidates, terminator_ids)
+            confidence = torch.where(is_terminator, confidence * gamma.to(confidence.dtype), confidence)
 
         # Outside the committable positions the confidence is -inf, so they are never chosen.
         full_confidence = torch.full((batch_size, max_completion_length), -math.inf, device=device)
@@ -933,6 +1066,13 @@ def generate(
         chosen = torch.zeros_like(committable).scatter(1, order, positions[None, :] < num_to_commit[:, None])
         completion[chosen] = proposals[chosen]
         commit_step[chosen] = step
+        if config.record_commit_logprobs:
+            # Only the chosen rows of the candidates: the distributions are never kept past the step.
+            chosen_candidates = chosen[committable]
+            log_probs = candidate_logits[chosen_candidates].div(config.temperature or 1.0).log_softmax(dim=-1)
+            commit_logprob[chosen] = log_probs.gather(-1, candidates[chosen_candidates, None]).squeeze(-1)
+            commit_entropy[chosen] = -_negative_entropy(log_probs)
+            commit_sampled[chosen] = True
 
         still_masked = completion == mask_token_id
         done = ~still_masked.any(dim=1) & ~finished
@@ -969,6 +1109,9 @@ def generate(
         tokens_per_forward=(max_completion_length / steps_per_row.double()).mean().item(),
         mask_token_id=mask_token_id,
         history=history,
+        commit_logprob=commit_logprob,
+        commit_entropy=commit_entropy,
+        commit_sampled=commit_sampled,
     )
 
 

@@ -48,9 +48,9 @@ from .seeding import derive_seed
 logger = logging.getLogger(__name__)
 
 HARNESS_MODEL_NAME = "trl_diffusion"
-# Sampler fields that are not `model_args`: the canvas history (the harness keeps text only) and the sampler's own
-# seed (each row draws from a generator seeded by `seed` and its context).
-OMITTED_SAMPLER_FIELDS = ("record_steps", "seed")
+# Sampler fields that are not `model_args`: the canvas history and the commits' log-probabilities (the harness keeps
+# text only) and the sampler's own seed (each row draws from a generator seeded by `seed` and its context).
+OMITTED_SAMPLER_FIELDS = ("record_steps", "record_commit_logprobs", "seed")
 # The arguments of LLaDA's `eval_llada.py` that are named otherwise here.
 LLADA_ARGUMENT_NAMES = {
     "model_path": "pretrained",

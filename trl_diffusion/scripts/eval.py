@@ -20,9 +20,10 @@ from typing import ClassVar
 from ..generation import DiffusionGenerationConfig
 from .utils import DiffusionTrlParser, HelpFormatter
 
-# Sampler fields `eval` does not read: `record_steps` (the canvas history, which the result does not hold) and `seed`
-# (each example samples from its own generator seeded by `--seed` and its index).
-OMITTED_SAMPLER_FIELDS = ("record_steps", "seed")
+# Sampler fields `eval` does not read: `record_steps` and `record_commit_logprobs` (the canvas history and the
+# commits' log-probabilities, which the result does not hold) and `seed` (each example samples from its own generator
+# seeded by `--seed` and its index).
+OMITTED_SAMPLER_FIELDS = ("record_steps", "record_commit_logprobs", "seed")
 # Sampler fields whose default is the task's suggestion (`task.max_completion_length`, `task.block_length`).
 TASK_SAMPLER_FIELDS = ("max_completion_length", "block_length")
 

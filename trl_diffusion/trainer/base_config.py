@@ -27,6 +27,8 @@ SAMPLER_FIELDS = (
     "threshold",
     "early_stop",
     "defer_terminators",
+    "eos_rejection_min",
+    "eos_rejection_max",
     "generation_cache",
 )
 
@@ -78,7 +80,8 @@ class DiffusionRLConfig(GRPOConfig):
     generates the rollouts. The sampler fields are [`DiffusionGenerationConfig`]'s, under the same names
     (`SAMPLER_FIELDS`): `max_completion_length` is the canvas length L, `temperature` the sampling temperature of
     the denoiser (TRL's default 1.0), and `block_length`, `diffusion_steps`, `remasking`, `schedule`, `cfg_scale`,
-    `threshold`, `early_stop`, `defer_terminators` and `generation_cache` are documented there.
+    `threshold`, `early_stop`, `defer_terminators`, `eos_rejection_min`, `eos_rejection_max` (CJ-GRPO's EOS early
+    rejection) and `generation_cache` are documented there.
     `to_generation_config()` returns the sampler's config.
 
     Parameters of the rollouts:
@@ -115,6 +118,8 @@ class DiffusionRLConfig(GRPOConfig):
     threshold: float | None = sampler_field("threshold")
     early_stop: bool = sampler_field("early_stop")
     defer_terminators: bool = sampler_field("defer_terminators")
+    eos_rejection_min: float | None = sampler_field("eos_rejection_min")
+    eos_rejection_max: float = sampler_field("eos_rejection_max")
     generation_cache: str = sampler_field(
         "generation_cache", note="Off in training until its effect on learning is measured (docs/benchmarks.md)."
     )

@@ -225,6 +225,11 @@ class TRLContractMixin:
         output["completion_canvas"] = rollout.completion_ids
         output["mask_seeds"] = handoff.mask_seeds
         output["commit_step"] = rollout.commit_step
+        if rollout.commit_logprob is not None:
+            # Recorded when a trajectory-level trainer's sampler config asks for it (`record_commit_logprobs`).
+            output["commit_logprob"] = rollout.commit_logprob
+            output["commit_entropy"] = rollout.commit_entropy
+            output["commit_sampled"] = rollout.commit_sampled
         # Whether some reward function scored the row (TRL gives the others advantage 0), this process's slice.
         num_rows = rollout.completion_ids.shape[0]
         first_row = self.accelerator.process_index * num_rows

@@ -21,14 +21,15 @@ class JustGRPOConfig(DiffusionRLConfig):
 
     The rollout sampler is forced to autoregressive decoding: `block_length=1` (refused otherwise) and
     `diffusion_steps=None`, which the sampler resolves to `max_completion_length` (one step per position; the only
-    value it accepts with one position per block). `threshold`, `remasking`, `schedule` and `defer_terminators` are
-    refused because with a single committable position per step they are inert; `cfg_scale` because the rollout
-    would then sample from the guided distribution, not from the policy whose likelihood is trained (the ratio would
-    not be a token ratio); `generation_cache` because with one position per block every step is the first step of
-    its block, which runs the whole sequence and refills the cache, so the cache is written and never read (no
-    faster; an exact left-to-right cache does not exist for a bidirectional model, whose earlier positions attend to
-    the masks after them). `temperature` is the sampling temperature and the likelihood's (its logits are divided by
-    it, as TRL does); `temperature=0` (greedy) scores the model's distribution at temperature 1.
+    value it accepts with one position per block). `threshold`, `remasking`, `schedule`, `defer_terminators` and the
+    EOS early rejection (`eos_rejection_min`, `eos_rejection_max`) are refused because with a single committable
+    position per step they are inert; `cfg_scale` because the rollout would then sample from the guided
+    distribution, not from the policy whose likelihood is trained (the ratio would not be a token ratio);
+    `generation_cache` because with one position per block every step is the first step of its block, which runs the
+    whole sequence and refills the cache, so the cache is written and never read (no faster; an exact left-to-right
+    cache does not exist for a bidirectional model, whose earlier positions attend to the masks after them).
+    `temperature` is the sampling temperature and the likelihood's (its logits are divided by it, as TRL does);
+    `temperature=0` (greedy) scores the model's distribution at temperature 1.
 
     Defaults that depart from [`DiffusionRLConfig`]: `block_length=1`, `early_stop=True` (in left-to-right order
     the EOS fill after a terminator changes nothing before it, and TRL's loss does not score it: stopping is exact
@@ -74,6 +75,8 @@ class JustGRPOConfig(DiffusionRLConfig):
         "remasking": (("low_confidence",), _ONE_POSITION_PER_STEP),
         "schedule": (("linear",), _ONE_POSITION_PER_STEP),
         "defer_terminators": ((False,), _ONE_POSITION_PER_STEP),
+        "eos_rejection_min": ((None,), _ONE_POSITION_PER_STEP),
+        "eos_rejection_max": ((1.0,), _ONE_POSITION_PER_STEP),
         "cfg_scale": (
             (0.0,),
             "guided rollouts are sampled from another distribution than the policy whose exact likelihood is "
