@@ -11,7 +11,9 @@ import pytest
 from trl import GRPOConfig, SFTConfig, TrlParser
 
 from trl_diffusion.trainer import (
+    AGRPOConfig,
     BGPOConfig,
+    CJGRPOConfig,
     CoupledGRPOConfig,
     DiffuGRPOConfig,
     DiffusionRLConfig,
@@ -21,6 +23,8 @@ from trl_diffusion.trainer import (
     LFPOConfig,
     SequenceELBOConfig,
     SPGConfig,
+    TraceRLConfig,
+    TrajectoryRLConfig,
     VRPOConfig,
     WD1Config,
 )
@@ -220,6 +224,85 @@ SPECS = {
         # `warmup_ratio` is transformers 4's name of a fractional `warmup_steps`: parsed, it sets both.
         extra_parse=(("--warmup_ratio", "0.2"), {"warmup_ratio": 0.2, "warmup_steps": 0.2}),
     ),
+    # The trajectory family's switches, at the values that make it CJ-GRPO's Eq. 11 on every transition.
+    TrajectoryRLConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"transition_grouping", "transition_selection", "num_selected_transitions", "ratio_level"})
+        | {"old_logprobs", "kl_target", "kl_estimator", "transition_reduction", "score_at_sampling_temperature"}
+        | {"pass_rate_range", "pass_reward_threshold", "transitions_per_forward", "use_bias_correction_kl"}
+        | {"elbo_region"},
+        defaults=dict(
+            transition_grouping=1,
+            transition_selection="all",
+            num_selected_transitions=8,
+            ratio_level="token",
+            old_logprobs="recompute",
+            kl_target="reference",
+            kl_estimator="k3",
+            transition_reduction="sample",
+            score_at_sampling_temperature=True,
+            pass_rate_range=None,
+            pass_reward_threshold=1.0,
+            transitions_per_forward=8,
+            use_bias_correction_kl=False,
+            elbo_region="answer",
+            loss_type=GRPO_DEFAULTS["loss_type"],
+        ),
+        values={"kl_estimator": "k2", "elbo_region": "canvas"},
+    ),
+    # TraceRL (full attention): steps merged 8 at a time, k3 to the old policy at 0.01, per-transition token means,
+    # prompts with pass rates outside [0.2, 0.8] left out, temperature 0.8, lr 1e-6.
+    TraceRLConfig: Spec(
+        parent=TrajectoryRLConfig,
+        changes=frozenset({"transition_grouping", "kl_target", "beta", "transition_reduction", "pass_rate_range"})
+        | {"temperature"},
+        defaults=dict(
+            transition_grouping=8,
+            kl_target="old",
+            beta=0.01,
+            transition_reduction="transition",
+            pass_rate_range=(0.2, 0.8),
+            temperature=0.8,
+            learning_rate=1e-6,
+            epsilon=0.2,
+        ),
+        values={"kl_estimator": "k2", "elbo_region": "canvas", "temperature": 1.0, "pass_rate_range": (0.1, 0.9)},
+    ),
+    # CJ-GRPO: every step, Eq. 11, clip 0.5, k3 to the reference at 0.04, A = r - mean(r), ASS and EOSER.
+    CJGRPOConfig: Spec(
+        parent=TrajectoryRLConfig,
+        changes=frozenset({"epsilon", "beta", "scale_rewards", "schedule", "eos_rejection_min", "learning_rate"}),
+        defaults=dict(
+            epsilon=0.5,
+            beta=0.04,
+            scale_rewards="none",
+            schedule="ascending",
+            eos_rejection_min=0.01,
+            eos_rejection_max=1.0,
+            transition_reduction="sample",
+            learning_rate=3e-6,
+        ),
+        values={"kl_estimator": "k2", "elbo_region": "canvas"},
+    ),
+    # AGRPO: 24 entropy-weighted Monte Carlo steps, ratios against the sampler, random unmasking, T 0.6.
+    AGRPOConfig: Spec(
+        parent=TrajectoryRLConfig,
+        changes=frozenset({"transition_selection", "num_selected_transitions", "old_logprobs", "remasking"})
+        | {"scale_rewards", "temperature", "learning_rate", "weight_decay", "lookahead_return_weight"},
+        defaults=dict(
+            transition_selection="entropy",
+            num_selected_transitions=24,
+            old_logprobs="sampler",
+            remasking="random",
+            scale_rewards="none",
+            temperature=0.6,
+            learning_rate=5e-6,
+            weight_decay=0.01,
+            lookahead_return_weight=0.0,
+            beta=0.0,
+        ),
+        values={"kl_estimator": "k2", "elbo_region": "canvas", "temperature": 1.0},
+    ),
     DiffusionSFTConfig: Spec(
         parent=SFTConfig,
         changes=frozenset({"completion_only_loss", "mask_token_id", "max_completion_length", "max_length"})
@@ -281,10 +364,20 @@ CLI_VALUES = {
     "elbo_region": "answer",
     # wd1
     "psi": 0.5,
+    # the trajectory trainers
+    "transition_grouping": 2,
+    "num_selected_transitions": 4,
+    "pass_rate_range": (0.2, 0.8),
+    "pass_reward_threshold": 0.5,
+    "transitions_per_forward": 4,
+    "lookahead_return_weight": 0.5,
 }
-# Non-default values that exclude another field's (EOS early rejection and `defer_terminators`, which is flipped):
-# field -> (value, the field it excludes), parsed in a second command line with the excluded field left at its default.
-SEPARATE_CLI_VALUES = {"eos_rejection_min": (0.05, "defer_terminators")}
+# Non-default values that exclude another field's (EOS early rejection and `defer_terminators`): field -> (value, the
+# values of the fields it excludes), each parsed on a command line of its own with those fields set to these values.
+SEPARATE_CLI_VALUES = {
+    "eos_rejection_min": (0.05, {"defer_terminators": False}),
+    "defer_terminators": (True, {"eos_rejection_min": None}),
+}
 # Fields that are another field under a former name: checked through `Spec.extra_parse`, not set with it.
 ALIASES = {"warmup_ratio"}
 
@@ -373,9 +466,10 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     extra_argv, extra_expected = SPECS[config_class].extra_parse
     (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv + list(extra_argv))
     assert {name: getattr(config, name) for name in extra_expected} == extra_expected
-    if separate:
-        excluded = {SEPARATE_CLI_VALUES[name][1] for name in separate}
-        others = {name: value for name, value in expected.items() if name not in excluded}
-        argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args({**others, **separate})]
+    for name, value in separate.items():
+        compatible = SEPARATE_CLI_VALUES[name][1]
+        others = {other: other_value for other, other_value in expected.items() if other not in compatible}
+        settings = {**others, **compatible, name: value}
+        argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args(settings)]
         (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
-        assert {name: getattr(config, name) for name in separate} == separate
+        assert getattr(config, name) == value

@@ -17,6 +17,10 @@ from transformers import TrainerCallback
 
 from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.trainer import (
+    AGRPOConfig,
+    AGRPOTrainer,
+    CJGRPOConfig,
+    CJGRPOTrainer,
     CoupledGRPOConfig,
     CoupledGRPOTrainer,
     DiffuGRPOConfig,
@@ -29,6 +33,8 @@ from trl_diffusion.trainer import (
     LFPOTrainer,
     SPGConfig,
     SPGTrainer,
+    TraceRLConfig,
+    TraceRLTrainer,
     VRPOConfig,
     VRPOTrainer,
     WD1Config,
@@ -50,19 +56,41 @@ from helpers import (
 
 # name -> (config class, trainer class), from the command line's registry.
 TRAINERS = {
-    name: trainer_classes(name) for name in ("diffu_grpo", "vrpo", "bgpo", "coupled_grpo", "wd1", "just_grpo", "spg")
+    name: trainer_classes(name)
+    for name in (
+        "diffu_grpo",
+        "vrpo",
+        "bgpo",
+        "coupled_grpo",
+        "wd1",
+        "just_grpo",
+        "spg",
+        "trace_rl",
+        "cj_grpo",
+        "agrpo",
+    )
 }
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
 LEFT_TO_RIGHT = dict(block_length=1, diffusion_steps=None)
 # Trainers whose objective has no KL term (their configs refuse `beta != 0`): every case runs them with beta 0.
 WITHOUT_KL = {"wd1", "spg"}
+# The trajectory trainers in the shared cases: TraceRL's KL towards the reference (its KL towards the old policy and
+# its pass-rate filter are tested in test_trajectory.py, the distinct-character reward passing every completion),
+# AGRPO with 2 Monte Carlo transitions.
+TRAJECTORY_SETTINGS = {
+    "trace_rl": dict(kl_target="reference", pass_rate_range=None),
+    "cj_grpo": {},
+    "agrpo": dict(num_selected_transitions=2),
+}
 
 
 def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
     ELBO trainers."""
     settings = dict(beta=0.0)
-    if name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
+    if name in TRAJECTORY_SETTINGS:
+        settings.update(TRAJECTORY_SETTINGS[name])
+    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         settings["num_mc_samples"] = 2
     if name == "just_grpo":
         settings.update(LEFT_TO_RIGHT)
@@ -117,12 +145,20 @@ ROLLOUT_KEYS = {
     "diffusion/tokens_per_forward",
     "completions/mean_length",
 }
+TRAJECTORY_KEYS = {
+    "trajectory/clip_ratio/low_mean",
+    "trajectory/clip_ratio/high_mean",
+    "trajectory/ratio_mean",
+    "trajectory/transitions_per_completion",
+    "trajectory/scored_transitions_per_completion",
+}
 TRAINER_KEYS = {
     "diffu_grpo": {"entropy", "clip_ratio/region_mean"},
     "coupled_grpo": {"entropy", "clip_ratio/region_mean"},
     "wd1": {"likelihood/mean"},
     "spg": {"elbo/mean", "elbo/mean_per_token", "eubo/mean_per_token", "sandwich/gap"},
     "just_grpo": {"entropy", "clip_ratio/region_mean", "log_likelihood/mean"},
+    **{name: TRAJECTORY_KEYS for name in TRAJECTORY_SETTINGS},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -247,6 +283,9 @@ class StepCounter(TrainerCallback):
         ("wd1", True),
         ("just_grpo", False),
         ("spg", True),
+        ("trace_rl", False),
+        ("cj_grpo", True),
+        ("agrpo", False),
     ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
@@ -289,6 +328,9 @@ ROUND_CASES = {
     "espo": (ESPOConfig, ESPOTrainer, dict(num_mc_samples=1)),
     "lfpo": (LFPOConfig, LFPOTrainer, dict(num_iterations=2, lfpo_num_states=2)),
     "spg": (SPGConfig, SPGTrainer, dict(num_iterations=2)),
+    "trace_rl": (TraceRLConfig, TraceRLTrainer, dict(num_iterations=2, pass_rate_range=None)),
+    "cj_grpo": (CJGRPOConfig, CJGRPOTrainer, dict(num_iterations=2)),
+    "agrpo": (AGRPOConfig, AGRPOTrainer, dict(num_iterations=2, num_selected_transitions=2)),
 }
 
 
@@ -525,7 +567,9 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
         return [float(i % 2) for i in range(len(completions))]
 
     overrides = dict(early_stop=True, beta=0.04)
-    if name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
+    if name in TRAJECTORY_SETTINGS:
+        overrides.update(elbo_region="answer")  # one target: the terminator
+    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

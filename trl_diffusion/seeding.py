@@ -19,6 +19,8 @@ LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
     MASK_PROMPT      d1's prompt mask
     LFPO_STATES      LFPO's choice of trajectory states
     MASK_PAIR        coupled-GRPO's complementary pair: the row's timestep t, then one uniform per canvas position
+    TRAJECTORY_TRANSITIONS  the trajectory trainers' Monte Carlo draws of transitions, keyed
+                     derive_seed(mask seed, inner iteration, TRAJECTORY_TRANSITIONS)
 
 Diffusion SFT noise: derive_seed(seed, SFT_TRAIN_NOISE, step, micro-batch, process) or (SFT_EVAL_NOISE, batch,
 process). Evaluation sampling: derive_seed(seed, example index). The harness model (`trl_diffusion.harness`), keyed by
@@ -40,6 +42,7 @@ MASK_PROMPT = 2
 LFPO_STATES = 3
 MASK_PAIR = 4
 MASK_BLOCKS = 5
+TRAJECTORY_TRANSITIONS = 6
 SFT_TRAIN_NOISE = 0
 SFT_EVAL_NOISE = 1
 

@@ -2,10 +2,14 @@
 
 import warnings
 
+from .agrpo_config import AGRPOConfig
+from .agrpo_trainer import AGRPOTrainer
 from .base_config import DiffusionRLConfig
 from .base_trainer import DiffusionRLTrainer
 from .bgpo_config import BGPOConfig
 from .bgpo_trainer import BGPOTrainer
+from .cj_grpo_config import CJGRPOConfig
+from .cj_grpo_trainer import CJGRPOTrainer
 from .coupled_grpo_config import CoupledGRPOConfig
 from .coupled_grpo_trainer import CoupledGRPOTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
@@ -23,14 +27,22 @@ from .sft_trainer import DataCollatorForDiffusionSFT, DiffusionSFTTrainer
 from .spg_config import SPGConfig
 from .spg_trainer import SPGTrainer
 from .token_loss_trainer import TokenLossTrainer
+from .trace_rl_config import TraceRLConfig
+from .trace_rl_trainer import TraceRLTrainer
+from .trajectory_config import TrajectoryRLConfig
+from .trajectory_trainer import TrajectoryRLTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
 from .wd1_config import WD1Config
 from .wd1_trainer import WD1Trainer
 
 __all__ = [
+    "AGRPOConfig",
+    "AGRPOTrainer",
     "BGPOConfig",
     "BGPOTrainer",
+    "CJGRPOConfig",
+    "CJGRPOTrainer",
     "CoupledGRPOConfig",
     "CoupledGRPOTrainer",
     "DiffuGRPOConfig",
@@ -48,6 +60,10 @@ __all__ = [
     "SPGConfig",
     "SPGTrainer",
     "TokenLossTrainer",
+    "TraceRLConfig",
+    "TraceRLTrainer",
+    "TrajectoryRLConfig",
+    "TrajectoryRLTrainer",
     "VRPOConfig",
     "VRPOTrainer",
     "WD1Config",

@@ -1,0 +1,660 @@
+"""Oracles of the trajectory trainers (TraceRL, CJ-GRPO, AGRPO / EGSPO) and their shared machinery
+(`trl_diffusion.trajectory`, `TrajectoryRLTrainer`).
+
+- The states rebuilt from the commit steps are the canvases the sampler fed its steps (`record_steps`).
+- On-policy, with every transition and no grouping, the trajectory log-likelihood the trainer scores equals the sum of
+  the sampler's own log-probs of what it committed.
+- The Monte Carlo selection of transitions is unbiased for the all-transitions loss and gradient: the exact
+  expectation, by enumerating the code's own map from its uniform offsets to draws.
+- Each trainer's loss and gradient equal an independent computation of its paper's formula (direct model calls on
+  independently rebuilt states).
+- Memory: the saved-for-backward bytes of a loss piece do not grow with the number of denoising steps.
+"""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_diffusion import trajectory as trajectory_module
+from trl_diffusion.generation import DiffusionGenerationConfig, generate
+from trl_diffusion.models import DiffusionAdapter
+from trl_diffusion.models.tiny import build_tiny_sdar
+from trl_diffusion.trainer import (
+    AGRPOConfig,
+    AGRPOTrainer,
+    CJGRPOConfig,
+    CJGRPOTrainer,
+    TraceRLConfig,
+    TraceRLTrainer,
+)
+from trl_diffusion.trajectory import (
+    TransitionSelection,
+    select_transitions,
+    trajectory_plan,
+    transition_entropies,
+)
+
+from helpers import distinct_chars, gradients, perturb, rollout_batch, say_dataset, tiny_grpo_config, tiny_trainer
+
+# ---------------------------------------------------------------------------------------------- states
+
+
+def _prompts(tokenizer, texts):
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+SAMPLERS = {
+    "low_confidence": dict(temperature=1.0),
+    "random": dict(temperature=0.7, remasking="random"),
+    "threshold": dict(temperature=0.5, threshold=0.3, diffusion_steps=8),
+    "ascending_eoser": dict(temperature=1.0, schedule="ascending", eos_rejection_min=0.01, diffusion_steps=4),
+}
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+@pytest.mark.parametrize("grouping", [1, 2])
+def test_rebuilt_states_are_the_recorded_canvases(family, sampler, grouping, tiny_llada, tiny_tokenizer):
+    model = tiny_llada if family == "llada" else build_tiny_sdar(tiny_tokenizer, block_size=4)
+    adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
+    input_ids, attention_mask = _prompts(tiny_tokenizer, ["say 1", "say 22 now", "hello"])
+    settings = {**dict(max_completion_length=8, block_length=4, diffusion_steps=4), **SAMPLERS[sampler]}
+    config = DiffusionGenerationConfig(record_steps=list(range(16)), record_commit_logprobs=True, **settings)
+    generator = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    output = generate(
+        model.eval(), input_ids, attention_mask, generation_config=config, adapter=adapter, generator=generator
+    )
+    scored = torch.ones_like(output.commit_step, dtype=torch.bool)
+    plan = trajectory_plan(output.commit_step, scored, grouping)
+    prompt_length = input_ids.shape[1]
+    checked = 0
+    for row in range(3):
+        num_transitions = int(plan.num_transitions[row])
+        steps = output.commit_step[row].unique(sorted=True)
+        assert num_transitions == math.ceil(len(steps) / grouping)
+        for transition in range(num_transitions):
+            rows, transitions = torch.tensor([row]), torch.tensor([transition])
+            masked = plan.state_masks(output.commit_step, rows, transitions)[0]
+            state = output.completion_ids[row].masked_fill(masked, adapter.mask_token_id)
+            step = int(plan.state_step[row, transition])
+            assert step == int(steps[transition * grouping])
+            recorded = output.history[step][row, prompt_length:]
+            assert torch.equal(state, recorded), (row, transition, step)
+            targets = plan.targets(rows, transitions)[0]
+            group_steps = steps[transition * grouping : (transition + 1) * grouping]
+            assert torch.equal(targets, torch.isin(output.commit_step[row], group_steps))
+            checked += 1
+    assert checked >= 6
+
+
+def test_plan_skips_unscored_steps_and_refuses_missing_commits():
+    commit_step = torch.tensor([[0, 2, 2, 5, 5, 7]])
+    scored = torch.tensor([[True, True, True, True, False, False]])
+    plan = trajectory_plan(commit_step, scored)
+    assert plan.state_step.tolist() == [[0, 2, 5]]
+    assert plan.transition_index.tolist() == [[0, 1, 1, 2, -1, -1]]
+    masks = plan.state_masks(commit_step, torch.tensor([0]), torch.tensor([2]))
+    assert masks.tolist() == [[False, False, False, True, True, True]]  # the unscored position 4 is masked too
+    with pytest.raises(ValueError, match="no commit step"):
+        trajectory_plan(torch.tensor([[0, -1]]), torch.ones(1, 2, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------- trainers
+
+
+def make_trainer(config_class, trainer_class, model, tmp_path, *, reward_funcs=distinct_chars, peft=False, **settings):
+    args = tiny_grpo_config(config_class, tmp_path, **settings)
+    return tiny_trainer(trainer_class, model, args, reward_funcs=reward_funcs, peft=peft)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "trainer_class", "settings"),
+    [
+        (CJGRPOConfig, CJGRPOTrainer, dict(temperature=1.0, beta=0.0)),
+        (AGRPOConfig, AGRPOTrainer, dict(temperature=1.0)),
+        (AGRPOConfig, AGRPOTrainer, dict(temperature=0.6, remasking="low_confidence")),
+        (TraceRLConfig, TraceRLTrainer, dict(temperature=0.8, transition_grouping=1, pass_rate_range=None)),
+    ],
+    ids=["cj_grpo-T1", "agrpo-T1-random", "agrpo-T0.6", "trace_rl-T0.8"],
+)
+def test_on_policy_trajectory_likelihood_is_the_samplers(
+    config_class, trainer_class, settings, tiny_llada_dir, tmp_path
+):
+    trainer = make_trainer(config_class, trainer_class, tiny_llada_dir, tmp_path, **settings)
+    inputs = rollout_batch(trainer)
+    plan = trainer.stored_plan(inputs)
+    targets = plan.transition_index >= 0
+    logps = trainer.all_transition_logps(trainer.model, inputs, plan)
+    sampler = inputs["commit_logprob"]
+    assert targets.sum() > 8
+    assert plan.num_transitions.sum() > 2 * len(plan.num_transitions)
+    trajectory = (logps * targets).sum(dim=1)
+    torch.testing.assert_close(trajectory, (sampler * targets).sum(dim=1), rtol=0, atol=2e-5)
+    torch.testing.assert_close(logps[targets], sampler[targets], rtol=0, atol=1e-5)
+    # The check can fail: merged steps score later tokens on earlier states, and the untempered softmax differs.
+    grouped = trajectory_plan(inputs["commit_step"], targets, grouping=2)
+    grouped_logps = trainer.all_transition_logps(trainer.model, inputs, grouped)
+    assert (grouped_logps - sampler)[targets].abs().max() > 1e-3
+    if trainer.args.temperature != 1.0:
+        trainer.args.score_at_sampling_temperature = False
+        untempered = trainer.all_transition_logps(trainer.model, inputs, plan)
+        assert (untempered - sampler)[targets].abs().max() > 1e-3
+
+
+def _forced(trainer, selection):
+    trainer.select_transitions = lambda inputs, plan, kept: selection
+
+
+def _loss_and_gradients(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach().double(), {name: grad.double() for name, grad in gradients(trainer.model, clear=True).items()}
+
+
+def _independent_probabilities(entropy_mass, count, selection):
+    if selection == "uniform":
+        return torch.full((count,), 1.0 / count, dtype=torch.float64)
+    mass = entropy_mass[:count].double()
+    mass = mass.clamp(min=trajectory_module.ENTROPY_FLOOR * float(mass.mean()))
+    return mass / mass.sum()
+
+
+@pytest.mark.parametrize("selection", ["uniform", "entropy"])
+def test_monte_carlo_transitions_are_unbiased(selection, tiny_llada_dir, tmp_path):
+    """E[loss] and E[gradient] over the draws equal the all-transitions loss and gradient, exactly: each draw's offset
+    u in [0, 1) is cut where the code's map from u to a transition changes, and the code's own draw and weight are
+    evaluated once per piece, weighted by the piece's length."""
+    trainer = make_trainer(
+        AGRPOConfig,
+        AGRPOTrainer,
+        tiny_llada_dir,
+        tmp_path,
+        transition_selection=selection,
+        num_selected_transitions=2,
+        temperature=1.0,
+        diffusion_steps=8,
+    )
+    inputs = rollout_batch(trainer, num_prompts=1)
+    plan = trainer.stored_plan(inputs)
+    num_transitions = plan.num_transitions
+    assert (num_transitions > 2).sum() >= 2  # more transitions than draws
+    mass, mean = transition_entropies(plan, inputs["commit_entropy"])
+    draws = 2
+    # Old log-probs away from the current ones: ratios off 1, some clipped (each draw's term stays its own).
+    targets = plan.transition_index >= 0
+    noise = 0.4 * torch.randn(targets.shape, generator=torch.Generator().manual_seed(0))
+    inputs["commit_logprob"] = inputs["commit_logprob"] + noise * targets
+
+    _forced(trainer, select_transitions(num_transitions, "all", draws))
+    expected_loss, expected_grads = _loss_and_gradients(trainer, inputs)
+
+    loss_mean = torch.zeros((), dtype=torch.float64)
+    grad_mean = {name: torch.zeros_like(grad) for name, grad in expected_grads.items()}
+    for row, count in enumerate(num_transitions.tolist()):
+        cumulative = _independent_probabilities(mass[row], count, selection).cumsum(0)
+        for draw in range(draws):
+            cuts = {0.0, 1.0} | {float(draws * c - draw) for c in cumulative if 0 < draws * c - draw < 1}
+            cuts = sorted(cuts)
+            for low, high in zip(cuts, cuts[1:]):
+                uniforms = torch.zeros(len(num_transitions), draws, dtype=torch.float64)
+                uniforms[row, draw] = (low + high) / 2
+                chosen = select_transitions(num_transitions, selection, draws, mass, mean, uniforms)
+                index = (chosen.rows == row).nonzero()[draw]
+                single = TransitionSelection(chosen.rows[index], chosen.transitions[index], chosen.weights[index])
+                _forced(trainer, single)
+                loss, grads = _loss_and_gradients(trainer, inputs)
+                loss_mean += (high - low) * loss
+                for name, grad in grads.items():
+                    grad_mean[name] += (high - low) * grad
+    assert expected_loss.abs() > 1e-3
+    torch.testing.assert_close(loss_mean, expected_loss, rtol=1e-5, atol=1e-7)
+    scale = max(grad.abs().max() for grad in expected_grads.values())
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grad_mean[name], grad, rtol=1e-5, atol=1e-6 * float(scale), msg=name)
+
+
+def test_a_transition_of_zero_entropy_can_still_be_drawn():
+    """A step at which the sampler was certain has entropy 0; the floor keeps its probability positive, so the
+    entropy-weighted draws stay unbiased: the expected weight of every transition's draws is exactly 1."""
+    entropy_mass = torch.tensor([[0.0, 2.0, 1.0, 0.0]])
+    num_transitions, draws = torch.tensor([4]), 3
+    probabilities = _independent_probabilities(entropy_mass[0], 4, "entropy")
+    cumulative = probabilities.cumsum(0)
+    expected_weight = torch.zeros(4, dtype=torch.float64)
+    for draw in range(draws):
+        cuts = sorted({0.0, 1.0} | {float(draws * c - draw) for c in cumulative if 0 < draws * c - draw < 1})
+        for low, high in zip(cuts, cuts[1:]):
+            uniforms = torch.zeros(1, draws, dtype=torch.float64)
+            uniforms[0, draw] = (low + high) / 2
+            chosen = select_transitions(
+                num_transitions, "entropy", draws, entropy_mass=entropy_mass, uniforms=uniforms
+            )
+            expected_weight[chosen.transitions[draw]] += (high - low) * chosen.weights[draw]
+    torch.testing.assert_close(expected_weight, torch.ones(4, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- independent formulas
+
+
+def _independent_logps(model, adapter, prompt_ids, prompt_mask, canvas, masked, temperature):
+    """log softmax(logits / T) of the canvas tokens, the mask token excluded, from a direct model call."""
+    noisy = canvas.masked_fill(masked, adapter.mask_token_id)
+    input_ids = torch.cat([prompt_ids, noisy])[None]
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy)])[None]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[0]
+    logits = logits[-canvas.shape[0] :].float() / temperature
+    logits[:, adapter.mask_token_id] = -math.inf
+    return logits.log_softmax(-1).gather(-1, canvas[:, None]).squeeze(-1)
+
+
+def _independent_transitions(commit_step, scored, grouping):
+    """Per transition: (first step, target positions), grouping consecutive distinct steps."""
+    steps = sorted(set(commit_step[scored].tolist()))
+    groups = [steps[start : start + grouping] for start in range(0, len(steps), grouping)]
+    return [(group[0], scored & torch.isin(commit_step, torch.tensor(group))) for group in groups]
+
+
+def _ppo(logp, old, advantage, low, high):
+    ratio = torch.exp(logp - old)
+    return -torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage)
+
+
+def _k3(logp, target):
+    return torch.exp(target - logp) - (target - logp) - 1
+
+
+def independent_loss(trainer, inputs, *, old, ref):
+    """The paper's loss of the batch from scratch: states rebuilt by hand, the model called on each, the reduction
+    and selection written out. `old` and `ref` are per-position old and reference log-probs, (B, L)."""
+    args = trainer.args
+    model, adapter = trainer.model, trainer.adapter
+    temperature = args.temperature if args.score_at_sampling_temperature and args.temperature > 0 else 1.0
+    low, high = 1 - args.epsilon, 1 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon)
+    terminator = torch.tensor(adapter.terminator_ids)
+    canvas, commit_step = inputs["completion_canvas"], inputs["commit_step"]
+    num_rows, length = canvas.shape
+    target_kl = ref if args.kl_target == "reference" else old
+    per_row = []  # per row: list of (transition index, token losses, transition loss) of the transitions
+    for row in range(num_rows):
+        is_terminator = torch.isin(canvas[row], terminator)
+        first = int(is_terminator.nonzero()[0]) if is_terminator.any() else length - 1
+        scored = (
+            torch.arange(length) <= first if args.elbo_region == "answer" else torch.ones(length, dtype=torch.bool)
+        )
+        transitions = _independent_transitions(commit_step[row], scored, args.transition_grouping)
+        advantage = inputs["advantages"][row]
+        terms = []
+        for index, (step, targets) in enumerate(transitions):
+            logp = _independent_logps(
+                model,
+                adapter,
+                inputs["prompt_ids"][row],
+                inputs["prompt_mask"][row],
+                canvas[row],
+                commit_step[row] >= step,
+                temperature,
+            )[targets]
+            if args.ratio_level == "token":
+                tokens = _ppo(logp, old[row][targets], advantage, low, high)
+                if trainer.kl_coefficient:
+                    tokens = tokens + trainer.kl_coefficient * _k3(logp, target_kl[row][targets])
+            else:
+                step_loss = _ppo(logp.sum(), old[row][targets].sum(), advantage, low, high)
+                if trainer.kl_coefficient:
+                    step_loss = step_loss + trainer.kl_coefficient * _k3(logp.sum(), target_kl[row][targets].sum())
+                tokens = step_loss.expand(len(logp))
+            terms.append((index, tokens))
+        per_row.append(terms)
+
+    weights = {}  # (row, transition) -> total weight of its draws
+    if args.transition_selection == "all":
+        weights = {(row, index): 1.0 for row, terms in enumerate(per_row) for index, _ in terms}
+    elif args.transition_selection == "top_entropy":
+        entropy = inputs["commit_entropy"]
+        for row, terms in enumerate(per_row):
+            plan_row = [
+                (index, float(entropy[row][t].mean()))
+                for index, (_, t) in enumerate(
+                    _independent_transitions(commit_step[row], inputs["transition_index"][row] >= 0, 1)
+                )
+            ]
+            kept = sorted(sorted(plan_row, key=lambda item: -item[1])[: args.num_selected_transitions])
+            for index, _ in kept:
+                weights[(row, index)] = len(terms) / len(kept)
+    else:
+        uniforms = trajectory_module.draw_uniforms(
+            inputs["mask_seeds"], inputs["inner_iteration"], args.num_selected_transitions
+        )
+        draws = args.num_selected_transitions
+        for row, terms in enumerate(per_row):
+            count = len(terms)
+            if args.transition_selection == "uniform":
+                probabilities = torch.full((count,), 1.0 / count, dtype=torch.float64)
+            else:
+                entropy = inputs["commit_entropy"][row]
+                transitions = _independent_transitions(commit_step[row], inputs["transition_index"][row] >= 0, 1)
+                probabilities = _independent_probabilities(
+                    torch.stack([entropy[t].sum() for _, t in transitions]), count, "entropy"
+                )
+            cumulative = probabilities.cumsum(0)
+            for draw in range(draws):
+                u = (draw + float(uniforms[row, draw])) / draws
+                index = min(int((cumulative <= u).sum()), count - 1)
+                weights[(row, index)] = weights.get((row, index), 0.0) + 1.0 / (draws * float(probabilities[index]))
+
+    reduction = args.transition_reduction
+    total = torch.zeros(())
+    num_pairs = sum(len(terms) for terms in per_row)
+    pooled_counts = {}
+    for terms in per_row:
+        for index, tokens in terms:
+            pooled_counts[index] = pooled_counts.get(index, 0) + len(tokens)
+    for row, terms in enumerate(per_row):
+        for index, tokens in terms:
+            weight = weights.get((row, index), 0.0)
+            if reduction == "sample":
+                value = tokens.mean() / len(terms) / num_rows
+            elif reduction == "transition":
+                value = tokens.mean() / num_pairs
+            elif reduction == "response":
+                value = tokens.sum() / length / num_pairs
+            else:
+                value = tokens.sum() / pooled_counts[index] / len(pooled_counts)
+            total = total + weight * value
+    return total
+
+
+FORMULA_CASES = {
+    "trace_rl": (TraceRLConfig, TraceRLTrainer, dict(transition_grouping=2, pass_rate_range=None, beta=0.05)),
+    "trace_rl-response-k3-ref": (
+        TraceRLConfig,
+        TraceRLTrainer,
+        dict(transition_grouping=1, pass_rate_range=None, transition_reduction="response", kl_target="reference"),
+    ),
+    "cj_grpo": (CJGRPOConfig, CJGRPOTrainer, dict(block_length=8, diffusion_steps=4)),
+    "cj_grpo-pooled": (
+        CJGRPOConfig,
+        CJGRPOTrainer,
+        dict(transition_reduction="pooled", elbo_region="canvas", block_length=8, diffusion_steps=4),
+    ),
+    "agrpo": (AGRPOConfig, AGRPOTrainer, dict(num_selected_transitions=3)),
+    "agrpo-uniform-recompute": (
+        AGRPOConfig,
+        AGRPOTrainer,
+        dict(transition_selection="uniform", num_selected_transitions=3, old_logprobs="recompute"),
+    ),
+    "egspo": (
+        AGRPOConfig,
+        AGRPOTrainer,
+        dict(
+            transition_selection="top_entropy",
+            num_selected_transitions=2,
+            ratio_level="transition",
+            epsilon_high=0.5,
+            beta=0.04,
+            remasking="low_confidence",
+            temperature=0.9,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FORMULA_CASES))
+def test_loss_and_gradient_match_the_papers_formula(case, tiny_llada_dir, tmp_path):
+    config_class, trainer_class, settings = FORMULA_CASES[case]
+    trainer = make_trainer(
+        config_class, trainer_class, tiny_llada_dir, tmp_path, num_iterations=2, **{"diffusion_steps": 8, **settings}
+    )
+    inputs = rollout_batch(trainer, inner_iteration=1)
+    plan = trainer.stored_plan(inputs)
+    targets = plan.transition_index >= 0
+    generator = torch.Generator().manual_seed(0)
+    noise = 0.4 * torch.randn(targets.shape, generator=generator) * targets
+    # Old log-probs away from the current ones (clipping active on some tokens), a reference the policy left.
+    if trainer.args.old_logprobs == "sampler":
+        inputs["commit_logprob"] = inputs["commit_logprob"] + noise
+        old = inputs["commit_logprob"]
+    else:
+        inputs["old_transition_logps"] = inputs["old_transition_logps"] + noise
+        old = inputs["old_transition_logps"]
+    ref = inputs.get("ref_transition_logps", torch.zeros_like(old))
+    perturb(trainer.model, std=0.02, seed=1)
+    assert (inputs["advantages"] != 0).any()
+
+    loss, grads = _loss_and_gradients(trainer, inputs)
+    trainer.model.zero_grad(set_to_none=True)
+    expected = independent_loss(trainer, inputs, old=old, ref=ref)
+    expected.backward()
+    expected_grads = gradients(trainer.model, clear=True)
+    torch.testing.assert_close(loss.float(), expected.detach(), rtol=1e-5, atol=1e-6)
+    scale = max(grad.abs().max() for grad in expected_grads.values())
+    assert scale > 0
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name].float(), grad, rtol=1e-4, atol=1e-5 * float(scale), msg=name)
+    # The pieces the training step back-propagates one by one add up to the same loss and gradient.
+    num_pieces, pieces = trainer.loss_pieces(trainer.model, inputs, "train")
+    assert num_pieces > 1
+    total = 0.0
+    for piece in pieces:
+        piece.backward()
+        total += piece.item()
+    piece_grads = gradients(trainer.model, clear=True)
+    assert math.isclose(total, float(loss), rel_tol=1e-5, abs_tol=1e-6)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(piece_grads[name], grad, rtol=1e-4, atol=1e-5 * float(scale), msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def _peak_saved_bytes(trainer, inputs) -> int:
+    """The largest saved-for-backward total of one loss piece."""
+    peak = 0
+    num_pieces, pieces = trainer.loss_pieces(trainer.model, inputs, "train")
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    for _ in range(num_pieces):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            piece = next(pieces)
+        piece.backward()
+        peak = max(peak, sum(saved))
+    next(pieces, None)
+    trainer.model.zero_grad(set_to_none=True)
+    return peak
+
+
+def test_memory_is_flat_in_the_number_of_denoising_steps(tiny_llada_dir, tmp_path):
+    """Every step replayed (CJ-GRPO), gradient checkpointing on as TRL trains: the saved-for-backward bytes of the
+    largest piece are within 10% from 16 to 128 denoising steps of a 128-token canvas."""
+    peaks = {}
+    for steps in (16, 128):
+        trainer = make_trainer(
+            CJGRPOConfig,
+            CJGRPOTrainer,
+            tiny_llada_dir,
+            tmp_path / str(steps),
+            schedule="linear",
+            eos_rejection_min=None,
+            max_completion_length=128,
+            block_length=128,
+            diffusion_steps=steps,
+            beta=0.0,
+            elbo_region="canvas",
+            gradient_checkpointing=True,
+        )
+        inputs = rollout_batch(trainer, num_prompts=1)
+        assert int(trainer.stored_plan(inputs).num_transitions.max()) == steps
+        peaks[steps] = _peak_saved_bytes(trainer, inputs)
+    print(f"\n[trajectory memory] saved-for-backward per piece: {peaks}")
+    assert peaks[128] <= 1.10 * peaks[16]
+
+
+# ---------------------------------------------------------------------------------------------- options and refusals
+
+
+def test_kl_towards_the_old_policy_loads_no_reference(tiny_llada, tiny_tokenizer, tmp_path):
+    """TraceRL's default: an in-memory model trains with beta > 0 (no reference model needed); the KL is 0 on the
+    first inner iteration and positive on the second."""
+    args = tiny_grpo_config(TraceRLConfig, tmp_path, num_iterations=2, pass_rate_range=None, max_steps=2)
+    trainer = TraceRLTrainer(
+        model=tiny_llada,
+        reward_funcs=distinct_chars,
+        args=args,
+        train_dataset=say_dataset(),
+        processing_class=tiny_tokenizer,
+    )
+    assert trainer.ref_model is None and trainer.beta == 0.0 and trainer.kl_coefficient == 0.01
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert abs(logs[0]["kl"]) < 1e-6 and logs[1]["kl"] > 0
+    assert trainer.args.beta == 0.01
+
+
+def test_pass_rate_filter_drops_prompts_outside_the_range(tiny_llada_dir, tmp_path):
+    def reward(completions, **kwargs):  # groups of 4: pass rates 1/4, 2/4 alternately
+        return [1.0 if i % 4 < 1 + (i // 4) % 2 else 0.0 for i in range(len(completions))]
+
+    trainer = make_trainer(
+        TraceRLConfig,
+        TraceRLTrainer,
+        tiny_llada_dir,
+        tmp_path,
+        reward_funcs=reward,
+        pass_rate_range=[0.3, 0.8],
+        beta=0.0,
+    )
+    inputs = rollout_batch(trainer, num_prompts=2)
+    assert inputs["pass_kept"].tolist() == [False] * 4 + [True] * 4
+    kept = trainer.kept_rows(inputs)
+    selection = trainer.select_transitions(inputs, trainer.stored_plan(inputs), kept)
+    assert set(selection.rows.tolist()) == {4, 5, 6, 7}
+    # Every prompt solved: nothing left to learn from, the loss and its gradient are 0.
+    trainer = make_trainer(
+        TraceRLConfig,
+        TraceRLTrainer,
+        tiny_llada_dir,
+        tmp_path / "all",
+        reward_funcs=lambda completions, **kwargs: [1.0] * len(completions),
+        beta=0.0,
+    )
+    inputs = rollout_batch(trainer)
+    assert not inputs["pass_kept"].any()
+    loss, grads = _loss_and_gradients(trainer, inputs)
+    assert loss == 0 and all((grad == 0).all() for grad in grads.values())
+
+
+def test_lookahead_advantages_match_egspo_sa(tiny_llada_dir, tmp_path):
+    """EGSPO-SA: the greedy fill of each scored state, rewarded, gives returns (R + l (R - r_k)) / (1 + l) whose
+    group mean at each selected index is subtracted."""
+
+    def reward(completions, **kwargs):
+        return [float(sum(map(ord, text)) % 7) for text in completions]
+
+    trainer = make_trainer(
+        AGRPOConfig,
+        AGRPOTrainer,
+        tiny_llada_dir,
+        tmp_path,
+        reward_funcs=reward,
+        transition_selection="top_entropy",
+        num_selected_transitions=2,
+        lookahead_return_weight=0.5,
+        remasking="low_confidence",
+        temperature=0.9,
+        diffusion_steps=8,
+    )
+    trainer.train_dataset = Dataset.from_dict({"prompt": [f"say {i}" for i in range(8)]})
+    trainer.model.train()
+    rows = [{"prompt": f"say {i}"} for i in range(2) for _ in range(4)]
+    inputs = trainer._generate_and_score_completions(rows)
+    adapter, canvas = trainer.adapter, inputs["completion_canvas"]
+    final = torch.tensor(
+        reward(
+            trainer.processing_class.batch_decode(
+                [ids[: int(mask.sum())] for ids, mask in zip(inputs["completion_ids"], inputs["completion_mask"])],
+                skip_special_tokens=True,
+            )
+        )
+    )
+    plan = trainer.stored_plan(inputs)
+    returns, valid = torch.zeros(8, 2), torch.zeros(8, 2)
+    chosen = []
+    for row in range(8):
+        mean = transition_entropies(plan, inputs["commit_entropy"])[1][row, : int(plan.num_transitions[row])]
+        kept = sorted(mean.argsort(descending=True, stable=True)[:2].tolist())
+        chosen.append(kept)
+        for slot, transition in enumerate(kept):
+            masked = inputs["commit_step"][row] >= plan.state_step[row, transition]
+            state = canvas[row].masked_fill(masked, adapter.mask_token_id)
+            ids = torch.cat([inputs["prompt_ids"][row], state])[None]
+            attention = torch.cat([inputs["prompt_mask"][row], torch.ones_like(state)])[None]
+            with torch.no_grad():
+                logits = trainer.model(
+                    input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0)
+                ).logits[0, -8:]
+            logits[:, adapter.mask_token_id] = -math.inf
+            fill = torch.where(masked, logits.argmax(-1), state).tolist()
+            ends = [i for i, token in enumerate(fill) if token in adapter.terminator_ids]
+            text = trainer.processing_class.decode(fill[: ends[0] + 1] if ends else fill, skip_special_tokens=True)
+            lookahead = reward([text])[0]
+            returns[row, slot] = (final[row] + 0.5 * (final[row] - lookahead)) / 1.5
+            valid[row, slot] = 1.0
+    # The group mean at each selected index, over the completions that have that many transitions.
+    baseline = (returns * valid).view(2, 4, 2).sum(dim=1) / valid.view(2, 4, 2).sum(dim=1).clamp(min=1)
+    advantages = returns - baseline.repeat_interleave(4, dim=0)
+    for row in range(8):
+        for slot, transition in enumerate(chosen[row]):
+            torch.testing.assert_close(
+                inputs["lookahead_advantages"][row, transition], advantages[row, slot], rtol=1e-5, atol=1e-5
+            )
+    assert inputs["lookahead_advantages"].abs().sum() > 0
+
+
+def test_a_sampler_that_remasks_is_refused(tiny_llada_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(CJGRPOConfig, CJGRPOTrainer, tiny_llada_dir, tmp_path, beta=0.0)
+    from trl_diffusion.trainer import base_trainer
+
+    real_generate = base_trainer.generate
+
+    def remasking_generate(*args, **kwargs):
+        output = real_generate(*args, **kwargs)
+        output.remasks_committed = True
+        return output
+
+    monkeypatch.setattr(base_trainer, "generate", remasking_generate)
+    with pytest.raises(ValueError, match="never remasked"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("config_class", "overrides", "match"),
+    [
+        (CJGRPOConfig, dict(cfg_scale=1.0), "cfg_scale"),
+        (CJGRPOConfig, dict(delta=2.0), "delta"),
+        (CJGRPOConfig, dict(loss_type="grpo"), "loss_type"),
+        (TraceRLConfig, dict(pass_rate_range=[0.9, 0.1]), "pass_rate_range"),
+        (TraceRLConfig, dict(transition_grouping=0), "transition_grouping"),
+        (AGRPOConfig, dict(lookahead_return_weight=0.5), "transition_selection"),
+        (AGRPOConfig, dict(score_at_sampling_temperature=False), "score_at_sampling_temperature"),
+        (AGRPOConfig, dict(transition_selection="sometimes"), "transition_selection"),
+    ],
+)
+def test_invalid_trajectory_configs_are_refused(config_class, overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        tiny_grpo_config(config_class, tmp_path, **overrides)
+
+
+def test_sampler_logprobs_with_an_approximate_cache_are_refused(tiny_llada_dir, tmp_path):
+    with pytest.raises(ValueError, match="generation_cache"):
+        make_trainer(AGRPOConfig, AGRPOTrainer, tiny_llada_dir, tmp_path, generation_cache="prefix")

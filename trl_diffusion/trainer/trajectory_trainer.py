@@ -1,0 +1,364 @@
+"""The shared base of the trainers that score the sampler's own denoising trajectory (TraceRL, CJ-GRPO, AGRPO /
+EGSPO): transitions rebuilt from the commit steps (`trl_diffusion.trajectory`), PPO on the tokens each transition
+committed, back-propagated a chunk of transitions at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..masking import completion_region
+from ..trajectory import (
+    TrajectoryPlan,
+    TransitionSelection,
+    draw_uniforms,
+    select_transitions,
+    state_logprobs,
+    trajectory_plan,
+    transition_entropies,
+)
+from .base_trainer import DiffusionRLTrainer
+from .trajectory_config import TrajectoryRLConfig
+
+
+class TrajectoryRLTrainer(DiffusionRLTrainer):
+    r"""Policy gradient on the sampler's own denoising trajectory, the base of [`TraceRLTrainer`],
+    [`CJGRPOTrainer`] and [`AGRPOTrainer`].
+
+    What it changes w.r.t. [`DiffusionRLTrainer`]: the rollouts record, per committed token, its step, its log-prob
+    under the distribution it was drawn from and that distribution's entropy (`record_commit_logprobs`); a rollout
+    whose sampler remasked a committed token is refused, since its states could not be rebuilt. Each completion's
+    trajectory is cut into transitions ([`~trajectory.trajectory_plan`]: one per step, or `transition_grouping`
+    steps merged), transition g being scored on the canvas `z_g` that went into its first step, its targets
+    `D_g` the tokens it committed inside `elbo_region`. Per target token, with
+    `a = log p_theta(y_n | z_g)` (at the sampling temperature with `score_at_sampling_temperature`), the old log-prob
+    o (`old_logprobs`) and the KL target's b (`kl_target`):
+
+    `l_n = -min(rho_n A, clip(rho_n, 1 - epsilon, 1 + epsilon_high) A) + beta KL(a, b)`, `rho_n = exp(a - o)`
+
+    (`ratio_level="transition"`: one ratio `exp(sum_{D_g} (a - o))` and one KL on the sums per transition, shared by
+    its tokens). The loss is `sum_m w_m sum_{n in D_{g_m}} c_n l_n` over the selected transitions
+    ([`~trajectory.select_transitions`], weights w), c the `transition_reduction` coefficients of a full trajectory,
+    so that under Monte Carlo selection the loss is unbiased for the all-transitions loss. `_score_rollouts` stores
+    the plan (`transition_index`, `transition_state_step`) and, under no_grad, the old log-probs when rollouts are
+    reused and `old_logprobs="recompute"` (`old_transition_logps`) and the reference ones when `beta != 0` and
+    `kl_target="reference"` (`ref_transition_logps`), each target at its own transition's state, shape `(B, L)`.
+    `loss_pieces` back-propagates `transitions_per_forward` states at a time (`backward_in_pieces`): activation
+    memory is that of one chunk, whatever the number of denoising steps. With `pass_rate_range`, prompts whose group
+    pass rate lies outside it are left out of the loss (`pass_kept`).
+
+    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`TrajectoryRLConfig`].
+    """
+
+    config_class = TrajectoryRLConfig
+    backward_in_pieces = True
+    _name = "TrajectoryRL"
+
+    def __init__(self, model, reward_funcs, args: TrajectoryRLConfig | None = None, *rest, **kwargs):
+        # A KL towards the old policy needs no reference model: TRL sees `beta = 0` (it loads and scores none), and
+        # the loss reads the coefficient from `kl_coefficient`.
+        towards_old = args is not None and args.kl_target == "old" and args.beta != 0.0
+        beta = args.beta if args is not None else 0.0
+        if towards_old:
+            args.beta = 0.0
+        try:
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        finally:
+            if towards_old:
+                args.beta = beta
+        self.kl_coefficient = self.args.beta
+        approximate_cache = self.args.generation_cache != "none" and not self.adapter.block_causal
+        if self.args.old_logprobs == "sampler" and approximate_cache:
+            raise ValueError(
+                f"`old_logprobs='sampler'` uses the log-probs of the rollout's forwards, and "
+                f"`generation_cache={self.args.generation_cache!r}` makes them approximate (cached positions do not see "
+                "the block's later commits), so the ratio would not start at 1: use `generation_cache='none'`, or "
+                "`old_logprobs='recompute'`."
+            )
+        self._rollout_rewards: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ rollouts
+
+    def generate_rollout(self, prompt_ids):
+        rollout, mask_seeds = super().generate_rollout(prompt_ids)
+        if rollout.remasks_committed:
+            raise ValueError(
+                f"{type(self).__name__} rebuilds each denoising state from the commit steps, which is exact only if "
+                "committed tokens are never remasked, and this rollout's sampler remasked some: use a remasking "
+                "strategy that keeps committed tokens (low_confidence, random, entropy, margin)."
+            )
+        return rollout, mask_seeds
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # Read by `_score_rollouts` of the same rollout batch (TRL's order leaves the batch no room for them): the
+        # weighted reward of every completion gathered over processes, NaN where unscored.
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights[None, :]).nansum(dim=1)
+        self._rollout_rewards = rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+        return rewards_per_func
+
+    def kept_by_pass_rate(self, rewards: torch.Tensor) -> torch.BoolTensor:
+        """Per completion of the gathered batch, whether its prompt's pass rate (completions whose weighted reward is
+        at least `pass_reward_threshold`, among the scored ones) lies in `pass_rate_range`."""
+        scored = ~torch.isnan(rewards)
+        passed = (rewards >= self.args.pass_reward_threshold) & scored
+        group_size = self.num_generations
+        rate = passed.view(-1, group_size).sum(1) / scored.view(-1, group_size).sum(1).clamp(min=1)
+        low, high = self.args.pass_rate_range
+        kept = (rate >= low) & (rate <= high) & scored.view(-1, group_size).any(1)
+        return kept.repeat_interleave(group_size)
+
+    # ------------------------------------------------------------------ transitions
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The divisor of the logits: the sampling temperature, or 1 (untempered, or greedy rollouts)."""
+        temperature = self.args.temperature
+        return temperature if self.args.score_at_sampling_temperature and temperature > 0 else 1.0
+
+    def trajectory_plan(self, inputs: dict) -> TrajectoryPlan:
+        """The transitions of the batch's completions (the targets: sampled tokens inside `elbo_region`)."""
+        canvas = inputs["completion_canvas"]
+        region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
+        return trajectory_plan(inputs["commit_step"], region & inputs["commit_sampled"], self.args.transition_grouping)
+
+    @staticmethod
+    def stored_plan(inputs: dict) -> TrajectoryPlan:
+        return TrajectoryPlan(inputs["transition_index"], inputs["transition_state_step"])
+
+    def transition_logps(
+        self, model, inputs: dict, plan: TrajectoryPlan, rows: torch.LongTensor, transitions: torch.LongTensor
+    ) -> tuple[torch.Tensor, torch.BoolTensor]:
+        """`log p(y_n | z_g)` at the targets of the (row, transition) pairs, shape `(pairs, L)` (one forward pass),
+        and the targets."""
+        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        states = plan.state_masks(inputs["commit_step"], rows, transitions)
+        targets = plan.targets(rows, transitions)
+        with self.accelerator.autocast():
+            logps = state_logprobs(
+                model,
+                self.adapter,
+                prompt_ids[rows],
+                prompt_mask[rows],
+                canvas[rows],
+                states,
+                targets,
+                temperature=self.scoring_temperature,
+            )
+        return logps, targets
+
+    @torch.no_grad()
+    def all_transition_logps(self, model, inputs: dict, plan: TrajectoryPlan) -> torch.Tensor:
+        """Every target's log-prob at its own transition's state, shape `(B, L)` (0 elsewhere), in chunks of
+        `transitions_per_forward` states."""
+        pairs = select_transitions(plan.num_transitions, "all", 1)
+        logps = torch.zeros(plan.transition_index.shape, dtype=torch.float32, device=plan.transition_index.device)
+        size = self.args.transitions_per_forward
+        for start in range(0, len(pairs.rows), size):
+            rows, transitions = pairs.rows[start : start + size], pairs.transitions[start : start + size]
+            chunk, _ = self.transition_logps(model, inputs, plan, rows, transitions)
+            logps.index_add_(0, rows, chunk)
+        return logps
+
+    def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        plan = self.trajectory_plan(inputs)
+        scores = {"transition_index": plan.transition_index, "transition_state_step": plan.state_step}
+        if self.args.pass_rate_range is not None and mode == "train":
+            kept = self.kept_by_pass_rate(self._rollout_rewards)
+            num_rows = plan.transition_index.shape[0]
+            first_row = self.accelerator.process_index * num_rows
+            scores["pass_kept"] = kept[first_row : first_row + num_rows].to(plan.transition_index.device)
+            self._metrics[mode]["trajectory/kept_prompts"].append(kept.float().mean().item())
+        if mode == "train" and self.is_off_policy and self.args.old_logprobs == "recompute":
+            scores["old_transition_logps"] = self.all_transition_logps(self.model, inputs, plan)
+        if self.kl_coefficient != 0.0 and self.args.kl_target == "reference":
+            with self.reference_model() as reference:
+                scores["ref_transition_logps"] = self.all_transition_logps(reference, inputs, plan)
+        return scores
+
+    def kept_rows(self, inputs: dict) -> torch.Tensor:
+        """1 for the completions the loss counts, 0 for those left out (`mask_truncated_completions`, the pass-rate
+        filter), shape `(batch,)`."""
+        kept = self.completion_weights(inputs)
+        if "pass_kept" in inputs:
+            kept = kept * inputs["pass_kept"].float()
+        return kept
+
+    def select_transitions(self, inputs: dict, plan: TrajectoryPlan, kept: torch.Tensor) -> TransitionSelection:
+        """The (row, transition) pairs this inner iteration scores (rows left out have none)."""
+        args = self.args
+        num_transitions = plan.num_transitions * (kept > 0).long()
+        entropy_mass = mean_entropy = uniforms = None
+        if args.transition_selection in ("entropy", "top_entropy"):
+            entropy_mass, mean_entropy = transition_entropies(plan, inputs["commit_entropy"])
+        if args.is_monte_carlo:
+            uniforms = draw_uniforms(inputs["mask_seeds"], inputs["inner_iteration"], args.num_selected_transitions)
+        return select_transitions(
+            num_transitions,
+            args.transition_selection,
+            args.num_selected_transitions,
+            entropy_mass=entropy_mass,
+            mean_entropy=mean_entropy,
+            uniforms=uniforms,
+        )
+
+    def token_coefficients(self, plan: TrajectoryPlan, kept: torch.Tensor) -> torch.Tensor:
+        """c_n: each target's coefficient in the all-transitions loss under `transition_reduction`, shape `(B, L)`
+        (0 off the targets and for rows left out). The denominators are those of the micro-batch."""
+        index = plan.transition_index
+        targets = (index >= 0) & (kept[:, None] > 0)
+        width = plan.state_step.shape[1]
+        sizes = torch.zeros(index.shape[0], width, device=index.device).scatter_add_(
+            1, index.clamp(min=0), targets.float()
+        )
+        num_transitions = (sizes > 0).sum(dim=1).float()
+        reduction = self.args.transition_reduction
+        if reduction == "sample":
+            num_rows = (num_transitions > 0).sum().clamp(min=1)
+            per_transition = 1.0 / (sizes * num_transitions[:, None] * num_rows)
+        elif reduction == "transition":
+            per_transition = 1.0 / (sizes * num_transitions.sum().clamp(min=1))
+        elif reduction == "response":
+            per_transition = torch.full_like(sizes, 1.0 / (index.shape[1] * num_transitions.sum().clamp(min=1)))
+        else:  # pooled: per transition index, the token mean over the batch; then the mean over indices
+            pooled = sizes.sum(dim=0)
+            num_indices = (pooled > 0).sum().clamp(min=1)
+            per_transition = (1.0 / (pooled * num_indices)).expand_as(sizes)
+        per_transition = torch.where(sizes > 0, per_transition, torch.zeros_like(per_transition))
+        return per_transition.gather(1, index.clamp(min=0)) * targets
+
+    # ------------------------------------------------------------------ the loss
+
+    def transition_advantages(self, inputs: dict, rows: torch.LongTensor, transitions: torch.LongTensor):
+        """The advantage of each (row, transition) pair: the completion's (a subclass may make it per transition)."""
+        return inputs["advantages"][rows]
+
+    def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
+        plan = self.stored_plan(inputs)
+        kept = self.kept_rows(inputs)
+        selection = self.select_transitions(inputs, plan, kept)
+        coefficients = self.token_coefficients(plan, kept)
+        size = self.args.transitions_per_forward
+        # With nothing to score, one state with weight 0: every process still runs a forward and a backward.
+        num_pieces = max(1, -(-len(selection.rows) // size))
+        return num_pieces, self._chunk_losses(model, inputs, plan, selection, coefficients, size, mode)
+
+    def _chunk_losses(self, model, inputs, plan, selection, coefficients, size, mode) -> Iterator[torch.Tensor]:
+        device = plan.transition_index.device
+        rows_all, transitions_all, weights_all = selection.rows, selection.transitions, selection.weights
+        if len(rows_all) == 0:
+            rows_all = torch.zeros(1, dtype=torch.long, device=device)
+            transitions_all = torch.zeros(1, dtype=torch.long, device=device)
+            weights_all = torch.zeros(1, dtype=torch.float64, device=device)
+        scale = 1.0 / self.loss_scale(mode)
+        # Sums over the target tokens of every chunk: count, clipped (low, high), ratio, KL.
+        totals = torch.zeros(5, device=device, dtype=torch.float64)
+        for start in range(0, len(rows_all), size):
+            rows, transitions = rows_all[start : start + size], transitions_all[start : start + size]
+            weights = weights_all[start : start + size].float()
+            logps, targets = self.transition_logps(model, inputs, plan, rows, transitions)
+            old = self.old_logps(inputs, rows, logps)
+            advantages = self.transition_advantages(inputs, rows, transitions)
+            target = self.kl_target_logps(inputs, rows, old)
+            token_losses, ratio, clipped_low, clipped_high, kl = self.token_losses(
+                logps, old, target, targets, advantages
+            )
+            weighted = weights[:, None] * coefficients[rows] * targets
+            yield scale * (weighted * token_losses).sum()
+            with torch.no_grad():
+                counted = targets & (coefficients[rows] > 0) & (weights[:, None] > 0)
+                totals += torch.stack(
+                    [
+                        counted.sum(),
+                        (clipped_low & counted).sum(),
+                        (clipped_high & counted).sum(),
+                        (ratio * counted).sum(),
+                        (kl * counted).sum(),
+                    ]
+                ).double()
+        metrics = self._metrics[mode]
+        counted_rows = (coefficients > 0).any(dim=1)
+        per_row = torch.stack(
+            [
+                counted_rows.sum().double(),
+                (plan.num_transitions * counted_rows).sum().double(),
+                torch.tensor(float(len(selection.rows)), device=device, dtype=torch.float64),
+            ]
+        )
+        gathered = self.accelerator.gather(torch.cat([totals, per_row])[None]).sum(dim=0)
+        tokens = gathered[0].clamp(min=1)
+        metrics["trajectory/clip_ratio/low_mean"].append((gathered[1] / tokens).item())
+        metrics["trajectory/clip_ratio/high_mean"].append((gathered[2] / tokens).item())
+        metrics["trajectory/ratio_mean"].append((gathered[3] / tokens).item())
+        if self.kl_coefficient != 0.0:
+            metrics["kl"].append((gathered[4] / tokens).item())
+        completions = gathered[5].clamp(min=1)
+        metrics["trajectory/transitions_per_completion"].append((gathered[6] / completions).item())
+        metrics["trajectory/scored_transitions_per_completion"].append((gathered[7] / completions).item())
+
+    def old_logps(self, inputs: dict, rows: torch.LongTensor, logps: torch.Tensor) -> torch.Tensor:
+        """The old log-probs of the ratio at the chunk's targets: the sampler's, the stored recomputed ones, or (on
+        policy) the current ones detached."""
+        if self.args.old_logprobs == "sampler":
+            return inputs["commit_logprob"][rows].float()
+        if "old_transition_logps" in inputs:
+            return inputs["old_transition_logps"][rows]
+        return logps.detach()
+
+    def kl_target_logps(self, inputs: dict, rows: torch.LongTensor, old: torch.Tensor) -> torch.Tensor | None:
+        if self.kl_coefficient == 0.0:
+            return None
+        if self.args.kl_target == "old":
+            return old
+        return inputs["ref_transition_logps"][rows]
+
+    def token_losses(
+        self,
+        logps: torch.Tensor,
+        old: torch.Tensor,
+        target: torch.Tensor | None,
+        targets: torch.BoolTensor,
+        advantages: torch.Tensor,
+    ):
+        """The per-token loss `l_n` (see the class docstring) of a chunk, shape `(pairs, L)`, with, for the metrics,
+        the ratio, whether the lower / upper clip is active, and the KL, each per token (per transition values
+        broadcast to its tokens with `ratio_level="transition"`)."""
+        args = self.args
+        low, high = 1.0 - args.epsilon, 1.0 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon)
+        mask = targets.float()
+        advantages = advantages[:, None].float()
+        if args.ratio_level == "token":
+            log_ratio = (logps - old) * mask
+        else:
+            log_ratio = ((logps - old) * mask).sum(dim=1, keepdim=True)
+        ratio = log_ratio.exp()
+        clipped = ratio.clamp(low, high)
+        losses = -torch.minimum(ratio * advantages, clipped * advantages)
+        kl = torch.zeros_like(ratio)
+        if target is not None:
+            if args.ratio_level == "token":
+                difference = (target - logps) * mask
+            else:
+                difference = ((target - logps) * mask).sum(dim=1, keepdim=True)
+            kl = difference.exp() - difference - 1 if args.kl_estimator == "k3" else 0.5 * difference**2
+            if args.use_bias_correction_kl:
+                kl = kl * ratio
+            losses = losses + self.kl_coefficient * kl
+        clipped_low = (ratio < low) & (advantages < 0)
+        clipped_high = (ratio > high) & (advantages > 0)
+        shape = logps.shape
+        return (
+            losses.expand(shape),
+            ratio.detach().expand(shape),
+            clipped_low.expand(shape),
+            clipped_high.expand(shape),
+            kl.detach().expand(shape),
+        )
+
+    def _compute_loss(self, model, inputs):
+        """The whole loss in one graph: what evaluation reports. Training back-propagates chunk by chunk."""
+        mode = "train" if self.model.training else "eval"
+        _, losses = self.loss_pieces(model, inputs, mode)
+        return sum(losses)

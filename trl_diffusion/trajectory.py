@@ -1,0 +1,263 @@
+"""The sampler's own denoising trajectories as training data: the transitions rebuilt from the commit steps, which of
+them a trajectory-level objective scores, and their per-token log-probs.
+
+The sampler records, for every completion position n, the step `c_n` at which it was committed
+(`DiffusionGenerationOutput.commit_step`). Because no built-in strategy puts a committed token back, the canvas that
+went into step k is the final one with every position committed at step k or later masked:
+`z_k = y masked at {n : c_n >= k}`, exactly (`DiffusionGenerationOutput.sequence_at`). A *transition* is one step of
+the trajectory, or a group of `grouping` consecutive steps (TraceRL's shrinkage): it is scored on the state before its
+first step, and its targets are the scored positions committed in it, `D_g`. The per-transition log-probability
+`l_g(theta) = sum_{n in D_g} log p_theta(y_n | z_g)` summed over the transitions is, with `grouping=1`, the
+log-likelihood of the tokens the sampler committed along its trajectory (the choice of positions aside: that part
+depends on the policy under confidence-based remasking, and on nothing learnt under `remasking="random"`).
+
+Transitions are selected per completion (`select_transitions`): all of them, a stratified Monte Carlo sample drawn
+uniformly or in proportion to the sampler's entropies with importance weights (unbiased for the sum over all of
+them), or the K of highest mean entropy (EGSPO; deterministic and biased).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .models.adapter import DiffusionAdapter
+from .seeding import TRAJECTORY_TRANSITIONS, keyed_generator
+
+TRANSITION_SELECTIONS = ("all", "uniform", "entropy", "top_entropy")
+# Selections drawn at random per inner iteration (with importance weights); the others are fixed per rollout.
+MONTE_CARLO_SELECTIONS = ("uniform", "entropy")
+# Share of the mean transition entropy below which no transition's probability of being drawn falls, so that every
+# transition can be drawn (the estimate stays unbiased) even when the sampler was certain of its tokens.
+ENTROPY_FLOOR = 1e-3
+
+
+@dataclass
+class TrajectoryPlan:
+    """The transitions of each completion's trajectory.
+
+    Args:
+        transition_index (`torch.LongTensor` of shape `(batch, L)`):
+            The transition whose targets include each completion position, -1 for positions that are not scored.
+        state_step (`torch.LongTensor` of shape `(batch, max_transitions)`):
+            The sampler step whose input each transition is scored on (the positions committed at it or later are
+            masked), -1 past a row's last transition.
+    """
+
+    transition_index: torch.LongTensor
+    state_step: torch.LongTensor
+
+    @property
+    def num_transitions(self) -> torch.LongTensor:
+        """Transitions per completion, shape `(batch,)`."""
+        return (self.state_step >= 0).sum(dim=1)
+
+    def targets(self, rows: torch.LongTensor, transitions: torch.LongTensor) -> torch.BoolTensor:
+        """The target positions of the given (row, transition) pairs, shape `(pairs, L)`."""
+        return self.transition_index[rows] == transitions[:, None]
+
+    def state_masks(
+        self, commit_step: torch.LongTensor, rows: torch.LongTensor, transitions: torch.LongTensor
+    ) -> torch.BoolTensor:
+        """The masked completion positions of the states of the given (row, transition) pairs, shape `(pairs, L)`:
+        everything committed at the transition's first step or later, scored or not (that is the canvas the sampler
+        saw)."""
+        return commit_step[rows] >= self.state_step[rows, transitions][:, None]
+
+
+def trajectory_plan(commit_step: torch.LongTensor, scored: torch.BoolTensor, grouping: int = 1) -> TrajectoryPlan:
+    """The transitions of each completion: the distinct steps at which scored positions were committed, in order,
+    merged `grouping` at a time (TraceRL's shrinkage s; 1 keeps every step its own transition).
+
+    Args:
+        commit_step (`torch.LongTensor` of shape `(batch, L)`):
+            The sampler's commit step of each completion position.
+        scored (`torch.BoolTensor` of shape `(batch, L)`):
+            The positions whose tokens are targets (e.g. the answer up to its first terminator).
+        grouping (`int`, *optional*, defaults to `1`):
+            Consecutive steps per transition.
+
+    Returns:
+        [`TrajectoryPlan`].
+    """
+    if grouping < 1:
+        raise ValueError(f"`grouping` must be at least 1, got {grouping}.")
+    if (commit_step[scored] < 0).any():
+        raise ValueError(
+            "A scored completion position has no commit step (-1): the rollout's trajectory is incomplete, so its "
+            "states cannot be rebuilt."
+        )
+    batch_size, length = commit_step.shape
+    transition_index = torch.full_like(commit_step, -1)
+    first_steps = []
+    for row in range(batch_size):
+        steps = commit_step[row][scored[row]]
+        distinct = steps.unique(sorted=True)
+        rank = torch.searchsorted(distinct, commit_step[row].clamp(min=0))
+        transition_index[row] = torch.where(scored[row], rank // grouping, -1)
+        first_steps.append(distinct[::grouping])
+    width = max((len(steps) for steps in first_steps), default=0)
+    state_step = torch.full((batch_size, max(width, 1)), -1, dtype=torch.long, device=commit_step.device)
+    for row, steps in enumerate(first_steps):
+        state_step[row, : len(steps)] = steps
+    return TrajectoryPlan(transition_index=transition_index, state_step=state_step)
+
+
+def transition_entropies(plan: TrajectoryPlan, commit_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's entropy summed and averaged over each transition's targets, each of shape
+    `(batch, max_transitions)` (0 past a row's last transition)."""
+    width = plan.state_step.shape[1]
+    index = plan.transition_index.clamp(min=0)
+    scored = (plan.transition_index >= 0).to(commit_entropy.dtype)
+    total = commit_entropy.new_zeros(commit_entropy.shape[0], width).scatter_add_(1, index, commit_entropy * scored)
+    counts = commit_entropy.new_zeros(commit_entropy.shape[0], width).scatter_add_(1, index, scored)
+    return total, total / counts.clamp(min=1)
+
+
+@dataclass
+class TransitionSelection:
+    """The (row, transition) pairs an objective scores, with their weights in an estimate of the sum over every
+    transition of each row.
+
+    Args:
+        rows, transitions (`torch.LongTensor` of shape `(pairs,)`):
+            The pairs (a transition may appear several times under Monte Carlo selection).
+        weights (`torch.Tensor` of shape `(pairs,)`):
+            1 for `all`; `1 / (M p(k))` for a Monte Carlo draw of probability p(k) among M; `S / M` for the M
+            transitions `top_entropy` keeps of S.
+    """
+
+    rows: torch.LongTensor
+    transitions: torch.LongTensor
+    weights: torch.Tensor
+
+
+def select_transitions(
+    num_transitions: torch.LongTensor,
+    selection: str,
+    num_draws: int,
+    entropy_mass: torch.Tensor | None = None,
+    mean_entropy: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> TransitionSelection:
+    """Which transitions of each row are scored.
+
+    `all`: every transition, weight 1. `uniform` / `entropy`: M = `num_draws` stratified draws per row,
+    `k_m = F^-1((m + u_m) / M)` for the distribution p over the row's transitions (uniform, or in proportion to the
+    sampler's entropy mass of each transition, floored at `ENTROPY_FLOOR` of its mean so that every transition can be
+    drawn), each weighted `1 / (M p(k_m))`: `sum_m w_m f(k_m)` is unbiased for `sum_k f(k)` (the strata cover [0, 1)).
+    `top_entropy`: the M transitions of highest mean entropy (all of them when a row has at most M), each weighted
+    `S / M` for a row of S transitions, so that their mean stands for the S transitions (EGSPO; not unbiased).
+
+    Args:
+        num_transitions (`torch.LongTensor` of shape `(batch,)`):
+            Transitions per row.
+        selection (`str`):
+            One of `TRANSITION_SELECTIONS`.
+        num_draws (`int`):
+            M.
+        entropy_mass (`torch.Tensor` of shape `(batch, max_transitions)`, *optional*):
+            Summed sampler entropy per transition (`entropy`).
+        mean_entropy (`torch.Tensor` of shape `(batch, max_transitions)`, *optional*):
+            Mean sampler entropy per transition (`top_entropy`).
+        uniforms (`torch.Tensor` of shape `(batch, M)`, *optional*):
+            The offsets u in [0, 1) of the Monte Carlo draws (from the caller's keyed generators).
+
+    Returns:
+        [`TransitionSelection`], pairs ordered by row, then by transition for `all` and `top_entropy`.
+    """
+    if selection not in TRANSITION_SELECTIONS:
+        raise ValueError(f"Unknown transition selection {selection!r}: choose one of {TRANSITION_SELECTIONS}.")
+    device = num_transitions.device
+    rows, transitions, weights = [], [], []
+    for row, count in enumerate(num_transitions.tolist()):
+        if count == 0:
+            continue
+        if selection == "all":
+            chosen = torch.arange(count, device=device)
+            weight = torch.ones(count, dtype=torch.float64, device=device)
+        elif selection == "top_entropy":
+            order = mean_entropy[row, :count].double().argsort(descending=True, stable=True)
+            chosen = order[:num_draws].sort().values
+            weight = torch.full((len(chosen),), count / len(chosen), dtype=torch.float64, device=device)
+        else:
+            if selection == "uniform":
+                probabilities = torch.full((count,), 1.0 / count, dtype=torch.float64, device=device)
+            else:
+                mass = entropy_mass[row, :count].double().clamp(min=0)
+                mass = mass.clamp(min=ENTROPY_FLOOR * float(mass.mean()) if mass.sum() > 0 else 1.0)
+                probabilities = mass / mass.sum()
+            strata = (torch.arange(num_draws, dtype=torch.float64, device=device) + uniforms[row].double()) / num_draws
+            cumulative = probabilities.cumsum(0)
+            chosen = torch.searchsorted(cumulative, strata, right=True).clamp(max=count - 1)
+            weight = 1.0 / (num_draws * probabilities[chosen])
+        rows.append(torch.full_like(chosen, row))
+        transitions.append(chosen)
+        weights.append(weight)
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return TransitionSelection(empty, empty, torch.zeros(0, dtype=torch.float64, device=device))
+    return TransitionSelection(torch.cat(rows), torch.cat(transitions), torch.cat(weights))
+
+
+def draw_uniforms(seeds: torch.LongTensor, iteration: int, num_draws: int) -> torch.Tensor:
+    """The offsets of each row's Monte Carlo draws of transitions for one inner iteration, shape `(batch, M)`, from
+    generators keyed by the row's mask seed (the same on every process and after a resume)."""
+    return torch.stack(
+        [
+            torch.rand(
+                num_draws, generator=keyed_generator(seed, iteration, TRAJECTORY_TRANSITIONS), dtype=torch.float64
+            )
+            for seed in seeds.tolist()
+        ]
+    ).to(seeds.device)
+
+
+def state_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    state_masks: torch.BoolTensor,
+    targets: torch.BoolTensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`log p(y_n | state)` at the `targets` of each state, the distribution the sampler draws from: the logits
+    divided by `temperature`, the mask token left out of the softmax (the sampler never proposes it). One forward
+    pass (with gradients if they are enabled) over the canvases with `state_masks` masked; a block-causal model runs
+    its own attention, as the sampler's steps do.
+
+    Args:
+        model, adapter:
+            The model and how to drive it.
+        prompt_ids, prompt_mask (`torch.Tensor` of shape `(states, prompt_length)`):
+            The left-padded prompt of each state.
+        completion_ids (`torch.LongTensor` of shape `(states, L)`):
+            The final completion of each state's trajectory.
+        state_masks, targets (`torch.BoolTensor` of shape `(states, L)`):
+            Masked positions of each state, and the scored ones among them.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Divisor of the logits.
+
+    Returns:
+        `torch.FloatTensor` of shape `(states, L)`: log-probs at the targets, 0 elsewhere.
+    """
+    if (targets & ~state_masks).any():
+        raise ValueError("Every target of a state must be masked in it.")
+    noisy = completion_ids.masked_fill(state_masks, adapter.mask_token_id)
+    input_ids = torch.cat([prompt_ids, noisy], dim=1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy, dtype=prompt_mask.dtype)], dim=1)
+    logits = adapter.logits(model, input_ids, attention_mask, num_logits=completion_ids.shape[1])
+    # Gather the targets before normalising: a float32 log-softmax over (states, L, vocab) would dwarf the rest.
+    target_logits = logits[targets].float() / temperature
+    del logits
+    mask_column = torch.tensor([adapter.mask_token_id], device=target_logits.device)
+    target_logits = target_logits.index_fill(-1, mask_column, -math.inf)
+    logprobs = target_logits.gather(-1, completion_ids[targets].unsqueeze(-1)).squeeze(-1)
+    logprobs = logprobs - target_logits.logsumexp(-1)
+    # With no target the output is still attached to the graph (through the empty gather), as DDP requires.
+    placeholder = torch.zeros(targets.shape, dtype=torch.float32, device=logprobs.device)
+    return placeholder.masked_scatter(targets, logprobs)
