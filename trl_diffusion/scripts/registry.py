@@ -54,6 +54,21 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "just_grpo_trainer.JustGRPOTrainer",
         "JustGRPO: left-to-right rollouts, exact autoregressive log-probs, TRL's token-level GRPO",
     ),
+    "trace_rl": (
+        "trace_rl_config.TraceRLConfig",
+        "trace_rl_trainer.TraceRLTrainer",
+        "TraceRL: PPO on the sampler's own trace, steps merged in groups, k3 towards the old policy",
+    ),
+    "cj_grpo": (
+        "cj_grpo_config.CJGRPOConfig",
+        "cj_grpo_trainer.CJGRPOTrainer",
+        "CJ-GRPO: GRPO on every denoising transition, ascending step sizes and EOS early rejection",
+    ),
+    "agrpo": (
+        "agrpo_config.AGRPOConfig",
+        "agrpo_trainer.AGRPOTrainer",
+        "AGRPO / EGSPO: Monte Carlo over denoising steps (entropy-weighted), ratios against the sampler",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",
