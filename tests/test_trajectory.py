@@ -16,10 +16,12 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from trl import ModelConfig
 
 from trl_diffusion import trajectory as trajectory_module
 from trl_diffusion.generation import DiffusionGenerationConfig, generate
-from trl_diffusion.models import DiffusionAdapter
+from trl_diffusion.models import DiffusionAdapter, build_tiny_llada2
+from trl_diffusion.models.lora import lora_config_for
 from trl_diffusion.models.tiny import build_tiny_sdar
 from trl_diffusion.trainer import (
     AGRPOConfig,
@@ -36,7 +38,16 @@ from trl_diffusion.trajectory import (
     transition_entropies,
 )
 
-from helpers import distinct_chars, gradients, perturb, rollout_batch, say_dataset, tiny_grpo_config, tiny_trainer
+from helpers import (
+    distinct_chars,
+    gradients,
+    perturb,
+    rollout_batch,
+    save_checkpoint,
+    say_dataset,
+    tiny_grpo_config,
+    tiny_trainer,
+)
 
 # ---------------------------------------------------------------------------------------------- states
 
@@ -101,6 +112,17 @@ def test_plan_skips_unscored_steps_and_refuses_missing_commits():
     assert masks.tolist() == [[False, False, False, True, True, True]]  # the unscored position 4 is masked too
     with pytest.raises(ValueError, match="no commit step"):
         trajectory_plan(torch.tensor([[0, -1]]), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_block_models_merge_steps_within_their_blocks():
+    commit_step = torch.tensor([[0, 1, 1, 2, 3, 4, 5, 5]])
+    blocks = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    scored = torch.ones_like(commit_step, dtype=torch.bool)
+    merged = trajectory_plan(commit_step, scored, grouping=2)
+    assert merged.state_step.tolist() == [[0, 2, 4]]  # steps {0, 1}, {2, 3}, {4, 5}: the middle one spans blocks
+    per_block = trajectory_plan(commit_step, scored, grouping=2, blocks=blocks)
+    assert per_block.state_step.tolist() == [[0, 2, 3, 5]]
+    assert per_block.transition_index.tolist() == [[0, 0, 0, 1, 2, 2, 3, 3]]
 
 
 # ---------------------------------------------------------------------------------------------- trainers
@@ -253,11 +275,18 @@ def _independent_logps(model, adapter, prompt_ids, prompt_mask, canvas, masked, 
     return logits.log_softmax(-1).gather(-1, canvas[:, None]).squeeze(-1)
 
 
-def _independent_transitions(commit_step, scored, grouping):
-    """Per transition: (first step, target positions), grouping consecutive distinct steps."""
-    steps = sorted(set(commit_step[scored].tolist()))
-    groups = [steps[start : start + grouping] for start in range(0, len(steps), grouping)]
-    return [(group[0], scored & torch.isin(commit_step, torch.tensor(group))) for group in groups]
+def _independent_transitions(commit_step, scored, grouping, blocks=None):
+    """Per transition: (first step, target positions), grouping consecutive distinct steps (within each block of a
+    block-causal model)."""
+    blocks = torch.zeros_like(commit_step) if blocks is None else blocks
+    transitions = []
+    for block in sorted(set(blocks[scored].tolist())):
+        in_block = scored & (blocks == block)
+        steps = sorted(set(commit_step[in_block].tolist()))
+        for start in range(0, len(steps), grouping):
+            group = steps[start : start + grouping]
+            transitions.append((group[0], in_block & torch.isin(commit_step, torch.tensor(group))))
+    return transitions
 
 
 def _ppo(logp, old, advantage, low, high):
@@ -287,7 +316,9 @@ def independent_loss(trainer, inputs, *, old, ref):
         scored = (
             torch.arange(length) <= first if args.elbo_region == "answer" else torch.ones(length, dtype=torch.bool)
         )
-        transitions = _independent_transitions(commit_step[row], scored, args.transition_grouping)
+        blocks = trainer.completion_blocks(inputs)
+        row_blocks = None if blocks is None else blocks[row]
+        transitions = _independent_transitions(commit_step[row], scored, args.transition_grouping, row_blocks)
         advantage = inputs["advantages"][row]
         terms = []
         for index, (step, targets) in enumerate(transitions):
@@ -321,7 +352,9 @@ def independent_loss(trainer, inputs, *, old, ref):
             plan_row = [
                 (index, float(entropy[row][t].mean()))
                 for index, (_, t) in enumerate(
-                    _independent_transitions(commit_step[row], inputs["transition_index"][row] >= 0, 1)
+                    _independent_transitions(
+                        commit_step[row], inputs["transition_index"][row] >= 0, args.transition_grouping, row_blocks
+                    )
                 )
             ]
             kept = sorted(sorted(plan_row, key=lambda item: -item[1])[: args.num_selected_transitions])
@@ -338,7 +371,9 @@ def independent_loss(trainer, inputs, *, old, ref):
                 probabilities = torch.full((count,), 1.0 / count, dtype=torch.float64)
             else:
                 entropy = inputs["commit_entropy"][row]
-                transitions = _independent_transitions(commit_step[row], inputs["transition_index"][row] >= 0, 1)
+                transitions = _independent_transitions(
+                    commit_step[row], inputs["transition_index"][row] >= 0, args.transition_grouping, row_blocks
+                )
                 probabilities = _independent_probabilities(
                     torch.stack([entropy[t].sum() for _, t in transitions]), count, "entropy"
                 )
@@ -405,11 +440,29 @@ FORMULA_CASES = {
 }
 
 
+# On a block-causal model: the transitions of a round share one composite forward, and a transition-level ratio
+# sums over each transition's own tokens only.
+FORMULA_CASES["egspo-sdar"] = (AGRPOConfig, AGRPOTrainer, {**FORMULA_CASES["egspo"][2], "num_selected_transitions": 3})
+FORMULA_CASES["trace_rl-sdar"] = (
+    TraceRLConfig,
+    TraceRLTrainer,
+    dict(transition_grouping=2, pass_rate_range=None, transition_reduction="response", beta=0.05),
+)
+
+
 @pytest.mark.parametrize("case", list(FORMULA_CASES))
-def test_loss_and_gradient_match_the_papers_formula(case, tiny_llada_dir, tmp_path):
+def test_loss_and_gradient_match_the_papers_formula(case, tiny_llada_dir, tiny_tokenizer, tmp_path):
     config_class, trainer_class, settings = FORMULA_CASES[case]
+    model_dir = tiny_llada_dir
+    if case.endswith("-sdar"):
+        model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "sdar")
     trainer = make_trainer(
-        config_class, trainer_class, tiny_llada_dir, tmp_path, num_iterations=2, **{"diffusion_steps": 8, **settings}
+        config_class,
+        trainer_class,
+        model_dir,
+        tmp_path / "run",
+        num_iterations=2,
+        **{"diffusion_steps": 8, **settings},
     )
     inputs = rollout_batch(trainer, inner_iteration=1)
     plan = trainer.stored_plan(inputs)
@@ -658,3 +711,63 @@ def test_invalid_trajectory_configs_are_refused(config_class, overrides, match, 
 def test_sampler_logprobs_with_an_approximate_cache_are_refused(tiny_llada_dir, tmp_path):
     with pytest.raises(ValueError, match="generation_cache"):
         make_trainer(AGRPOConfig, AGRPOTrainer, tiny_llada_dir, tmp_path, generation_cache="prefix")
+
+
+# ---------------------------------------------------------------------------------------------- block models
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_models_score_their_own_trajectories(family, tiny_tokenizer, tmp_path):
+    """TraceRL's block recipe (every step its own transition, token sums over the canvas) on a block-causal model: on
+    policy, each committed token's log-prob at its rebuilt state equals the sampler's (the sampler decodes one
+    attention block at a time with the exact cache of the finished blocks; the trainer scores a round of every
+    block's transitions in one composite forward); then LoRA training steps."""
+    build = build_tiny_sdar if family == "sdar" else build_tiny_llada2
+    model_dir = save_checkpoint(build(tiny_tokenizer), tiny_tokenizer, tmp_path / "model")
+    trainer = make_trainer(
+        TraceRLConfig,
+        TraceRLTrainer,
+        model_dir,
+        tmp_path / "run",
+        transition_grouping=1,
+        transition_reduction="response",
+        pass_rate_range=None,
+        temperature=1.0,
+        generation_cache="prefix",
+        old_logprobs="sampler",
+        gradient_checkpointing=True,
+    )
+    inputs = rollout_batch(trainer)
+    plan = trainer.stored_plan(inputs)
+    targets = plan.transition_index >= 0
+    logps = trainer.all_transition_logps(trainer.model, inputs, plan)
+    assert plan.num_transitions.sum() > 2 * len(plan.num_transitions)
+    torch.testing.assert_close(logps[targets], inputs["commit_logprob"][targets], rtol=0, atol=1e-5)
+    # One composite forward per round of the blocks: as many as the most transitions of any block of the row.
+    units = trainer.scoring_units(inputs, plan, plan.state_step >= 0)
+    blocks = trainer.completion_blocks(inputs)
+    for row in range(len(plan.num_transitions)):
+        per_block = {}
+        for transition in range(int(plan.num_transitions[row])):
+            block = int(blocks[row][plan.transition_index[row] == transition][0])
+            per_block[block] = per_block.get(block, 0) + 1
+        assert int((units.rows == row).sum()) == max(per_block.values())
+    assert len(units) < int(plan.num_transitions.sum())
+
+    model_type = trainer.model.config.model_type
+    peft_config = lora_config_for(model_type, ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0))
+    args = tiny_grpo_config(
+        TraceRLConfig,
+        tmp_path / "lora",
+        transition_grouping=1,
+        transition_reduction="response",
+        pass_rate_range=None,
+        gradient_checkpointing=True,
+    )
+    trainer = TraceRLTrainer(
+        model=model_dir, reward_funcs=distinct_chars, args=args, train_dataset=say_dataset(), peft_config=peft_config
+    )
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters() if n in initial)

@@ -67,9 +67,16 @@ class TrajectoryPlan:
         return commit_step[rows] >= self.state_step[rows, transitions][:, None]
 
 
-def trajectory_plan(commit_step: torch.LongTensor, scored: torch.BoolTensor, grouping: int = 1) -> TrajectoryPlan:
+def trajectory_plan(
+    commit_step: torch.LongTensor,
+    scored: torch.BoolTensor,
+    grouping: int = 1,
+    blocks: torch.LongTensor | None = None,
+) -> TrajectoryPlan:
     """The transitions of each completion: the distinct steps at which scored positions were committed, in order,
-    merged `grouping` at a time (TraceRL's shrinkage s; 1 keeps every step its own transition).
+    merged `grouping` at a time (TraceRL's shrinkage s; 1 keeps every step its own transition). For a block-causal
+    model (`blocks` given) the steps are merged within each attention block only, so that a transition never spans
+    two blocks (TraceRL's per-block collapse).
 
     Args:
         commit_step (`torch.LongTensor` of shape `(batch, L)`):
@@ -78,6 +85,9 @@ def trajectory_plan(commit_step: torch.LongTensor, scored: torch.BoolTensor, gro
             The positions whose tokens are targets (e.g. the answer up to its first terminator).
         grouping (`int`, *optional*, defaults to `1`):
             Consecutive steps per transition.
+        blocks (`torch.LongTensor` of shape `(batch, L)`, *optional*):
+            The attention block of each position of a block-causal model
+            ([`~models.DiffusionAdapter.completion_blocks`]).
 
     Returns:
         [`TrajectoryPlan`].
@@ -89,20 +99,101 @@ def trajectory_plan(commit_step: torch.LongTensor, scored: torch.BoolTensor, gro
             "A scored completion position has no commit step (-1): the rollout's trajectory is incomplete, so its "
             "states cannot be rebuilt."
         )
-    batch_size, length = commit_step.shape
+    batch_size = commit_step.shape[0]
+    if blocks is None:
+        blocks = torch.zeros_like(commit_step)
     transition_index = torch.full_like(commit_step, -1)
     first_steps = []
     for row in range(batch_size):
-        steps = commit_step[row][scored[row]]
-        distinct = steps.unique(sorted=True)
-        rank = torch.searchsorted(distinct, commit_step[row].clamp(min=0))
-        transition_index[row] = torch.where(scored[row], rank // grouping, -1)
-        first_steps.append(distinct[::grouping])
+        row_steps = []
+        for block in blocks[row][scored[row]].unique(sorted=True).tolist():
+            in_block = scored[row] & (blocks[row] == block)
+            distinct = commit_step[row][in_block].unique(sorted=True)
+            rank = torch.searchsorted(distinct, commit_step[row].clamp(min=0))
+            offset = sum(len(steps) for steps in row_steps)
+            transition_index[row] = torch.where(in_block, offset + rank // grouping, transition_index[row])
+            row_steps.append(distinct[::grouping])
+        first_steps.append(torch.cat(row_steps) if row_steps else commit_step.new_zeros(0))
     width = max((len(steps) for steps in first_steps), default=0)
     state_step = torch.full((batch_size, max(width, 1)), -1, dtype=torch.long, device=commit_step.device)
     for row, steps in enumerate(first_steps):
         state_step[row, : len(steps)] = steps
     return TrajectoryPlan(transition_index=transition_index, state_step=state_step)
+
+
+@dataclass
+class ScoringUnits:
+    """The forward rows that score a set of transitions: one state per transition for a full-attention model; for a
+    block-causal model, one composite state per round, round j holding the j-th transition of every block (each block
+    is predicted from the clean blocks before it, so its state is the one its own transition saw).
+
+    Args:
+        rows (`torch.LongTensor` of shape `(units,)`):
+            The completion of each unit.
+        masked (`torch.BoolTensor` of shape `(units, L)`):
+            The masked positions of each unit's state.
+        targets (`torch.BoolTensor` of shape `(units, L)`):
+            The positions it scores (the targets of its transitions).
+    """
+
+    rows: torch.LongTensor
+    masked: torch.BoolTensor
+    targets: torch.BoolTensor
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def chunk(self, start: int, stop: int) -> ScoringUnits:
+        return ScoringUnits(self.rows[start:stop], self.masked[start:stop], self.targets[start:stop])
+
+
+def scoring_units(
+    plan: TrajectoryPlan,
+    commit_step: torch.LongTensor,
+    selected: torch.BoolTensor,
+    blocks: torch.LongTensor | None = None,
+) -> ScoringUnits:
+    """The forward rows that score the `selected` transitions (see [`ScoringUnits`]).
+
+    Args:
+        plan ([`TrajectoryPlan`]):
+            The transitions (for a block-causal model, planned with the same `blocks`).
+        commit_step (`torch.LongTensor` of shape `(batch, L)`):
+            The sampler's commit steps.
+        selected (`torch.BoolTensor` of shape `(batch, max_transitions)`):
+            The transitions to score.
+        blocks (`torch.LongTensor` of shape `(batch, L)`, *optional*):
+            A block-causal model's attention block of each position; `None` for full attention.
+    """
+    rows, masked, targets = [], [], []
+    for row in range(commit_step.shape[0]):
+        transitions = selected[row].nonzero().squeeze(1)
+        if len(transitions) == 0:
+            continue
+        row_targets = plan.transition_index[row][None, :] == transitions[:, None]
+        row_masked = commit_step[row][None, :] >= plan.state_step[row, transitions][:, None]
+        if blocks is None:
+            rows.append(torch.full_like(transitions, row))
+            masked.append(row_masked)
+            targets.append(row_targets)
+            continue
+        # Each transition's block (that of its targets) and its round, its rank among its block's transitions.
+        count = int(plan.num_transitions[row])
+        every = plan.transition_index[row][None, :] == torch.arange(count, device=commit_step.device)[:, None]
+        block_of = blocks[row][every.float().argmax(dim=1)]
+        round_of = (block_of[None, :] == block_of[:, None]).tril(-1).sum(dim=1)
+        in_own_block = blocks[row][None, :] == block_of[transitions][:, None]
+        row_masked = row_masked & in_own_block
+        rounds = round_of[transitions]
+        for round_index in rounds.unique().tolist():
+            members = rounds == round_index
+            rows.append(torch.tensor([row], device=commit_step.device))
+            masked.append(row_masked[members].any(dim=0, keepdim=True))
+            targets.append(row_targets[members].any(dim=0, keepdim=True))
+    if not rows:
+        empty = torch.zeros(0, commit_step.shape[1], dtype=torch.bool, device=commit_step.device)
+        return ScoringUnits(commit_step.new_zeros(0), empty, empty)
+    return ScoringUnits(torch.cat(rows), torch.cat(masked), torch.cat(targets))
 
 
 def transition_entropies(plan: TrajectoryPlan, commit_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +223,12 @@ class TransitionSelection:
     rows: torch.LongTensor
     transitions: torch.LongTensor
     weights: torch.Tensor
+
+
+def selection_weights(selection: TransitionSelection, shape: tuple[int, int]) -> torch.Tensor:
+    """The total weight of each (row, transition) over the draws that selected it, shape `shape` (float64)."""
+    weights = torch.zeros(shape, dtype=torch.float64, device=selection.weights.device)
+    return weights.index_put_((selection.rows, selection.transitions), selection.weights.double(), accumulate=True)
 
 
 def select_transitions(
@@ -228,7 +325,8 @@ def state_logprobs(
     """`log p(y_n | state)` at the `targets` of each state, the distribution the sampler draws from: the logits
     divided by `temperature`, the mask token left out of the softmax (the sampler never proposes it). One forward
     pass (with gradients if they are enabled) over the canvases with `state_masks` masked; a block-causal model runs
-    its own attention, as the sampler's steps do.
+    the composite `[noisy | clean]` forward ([`~models.DiffusionAdapter.composite_logits`]), in which each block is
+    predicted from its own masked state and the clean blocks before it, as the sampler's step in that block saw it.
 
     Args:
         model, adapter:
@@ -248,9 +346,12 @@ def state_logprobs(
     if (targets & ~state_masks).any():
         raise ValueError("Every target of a state must be masked in it.")
     noisy = completion_ids.masked_fill(state_masks, adapter.mask_token_id)
-    input_ids = torch.cat([prompt_ids, noisy], dim=1)
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy, dtype=prompt_mask.dtype)], dim=1)
-    logits = adapter.logits(model, input_ids, attention_mask, num_logits=completion_ids.shape[1])
+    if adapter.block_causal:
+        logits = adapter.composite_logits(model, prompt_ids, prompt_mask, noisy, completion_ids)
+    else:
+        input_ids = torch.cat([prompt_ids, noisy], dim=1)
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy, dtype=prompt_mask.dtype)], dim=1)
+        logits = adapter.logits(model, input_ids, attention_mask, num_logits=completion_ids.shape[1])
     # Gather the targets before normalising: a float32 log-softmax over (states, L, vocab) would dwarf the rest.
     target_logits = logits[targets].float() / temperature
     del logits

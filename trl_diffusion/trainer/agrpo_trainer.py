@@ -126,7 +126,7 @@ class AGRPOTrainer(TrajectoryRLTrainer):
         per_transition = torch.zeros(num_rows, width, device=device)
         return per_transition.scatter_add_(1, slot_transition, advantages * slot_valid)
 
-    def transition_advantages(self, inputs: dict, rows: torch.LongTensor, transitions: torch.LongTensor):
+    def position_advantages(self, inputs: dict, rows: torch.LongTensor, transitions: torch.LongTensor):
         if "lookahead_advantages" in inputs:
-            return inputs["lookahead_advantages"][rows, transitions]
-        return super().transition_advantages(inputs, rows, transitions)
+            return inputs["lookahead_advantages"][rows].gather(1, transitions)
+        return super().position_advantages(inputs, rows, transitions)

@@ -10,10 +10,13 @@ import torch
 
 from ..masking import completion_region
 from ..trajectory import (
+    ScoringUnits,
     TrajectoryPlan,
     TransitionSelection,
     draw_uniforms,
+    scoring_units,
     select_transitions,
+    selection_weights,
     state_logprobs,
     trajectory_plan,
     transition_entropies,
@@ -45,7 +48,11 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
     reused and `old_logprobs="recompute"` (`old_transition_logps`) and the reference ones when `beta != 0` and
     `kl_target="reference"` (`ref_transition_logps`), each target at its own transition's state, shape `(B, L)`.
     `loss_pieces` back-propagates `transitions_per_forward` states at a time (`backward_in_pieces`): activation
-    memory is that of one chunk, whatever the number of denoising steps. With `pass_rate_range`, prompts whose group
+    memory is that of one chunk, whatever the number of denoising steps. A block-causal model (SDAR, LLaDA2) is
+    scored in rounds ([`~trajectory.scoring_units`]): its steps are merged within a block only, and one composite
+    `[noisy | clean]` forward scores the j-th transition of every block at once (each block predicted from its own
+    state and the clean blocks before it, exactly the state its step saw), so a completion costs as many forwards as
+    its most stepped block, not one per step (TraceRL's block training). With `pass_rate_range`, prompts whose group
     pass rate lies outside it are left out of the loss (`pass_kept`).
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` a [`TrajectoryRLConfig`].
@@ -118,48 +125,58 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         temperature = self.args.temperature
         return temperature if self.args.score_at_sampling_temperature and temperature > 0 else 1.0
 
+    def completion_blocks(self, inputs: dict) -> torch.LongTensor | None:
+        """A block-causal model's attention block of every completion position (`None` for full attention)."""
+        return self.adapter.completion_blocks(inputs["prompt_mask"], inputs["completion_canvas"].shape[1])
+
     def trajectory_plan(self, inputs: dict) -> TrajectoryPlan:
-        """The transitions of the batch's completions (the targets: sampled tokens inside `elbo_region`)."""
+        """The transitions of the batch's completions (the targets: sampled tokens inside `elbo_region`; a
+        block-causal model's steps merged within each of its blocks)."""
         canvas = inputs["completion_canvas"]
         region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
-        return trajectory_plan(inputs["commit_step"], region & inputs["commit_sampled"], self.args.transition_grouping)
+        return trajectory_plan(
+            inputs["commit_step"],
+            region & inputs["commit_sampled"],
+            self.args.transition_grouping,
+            blocks=self.completion_blocks(inputs),
+        )
 
     @staticmethod
     def stored_plan(inputs: dict) -> TrajectoryPlan:
         return TrajectoryPlan(inputs["transition_index"], inputs["transition_state_step"])
 
-    def transition_logps(
-        self, model, inputs: dict, plan: TrajectoryPlan, rows: torch.LongTensor, transitions: torch.LongTensor
-    ) -> tuple[torch.Tensor, torch.BoolTensor]:
-        """`log p(y_n | z_g)` at the targets of the (row, transition) pairs, shape `(pairs, L)` (one forward pass),
-        and the targets."""
+    def scoring_units(self, inputs: dict, plan: TrajectoryPlan, selected: torch.BoolTensor) -> ScoringUnits:
+        """The forward rows that score the `selected` transitions `(B, max_transitions)`: one state per transition,
+        or, for a block-causal model, one composite state per round of its blocks' transitions."""
+        return scoring_units(plan, inputs["commit_step"], selected, blocks=self.completion_blocks(inputs))
+
+    def unit_logps(self, model, inputs: dict, units: ScoringUnits) -> torch.Tensor:
+        """`log p(y_n | z_g)` at the targets of the units, shape `(units, L)`, 0 elsewhere (one forward pass)."""
         prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
-        states = plan.state_masks(inputs["commit_step"], rows, transitions)
-        targets = plan.targets(rows, transitions)
+        rows = units.rows
         with self.accelerator.autocast():
-            logps = state_logprobs(
+            return state_logprobs(
                 model,
                 self.adapter,
                 prompt_ids[rows],
                 prompt_mask[rows],
                 canvas[rows],
-                states,
-                targets,
+                units.masked,
+                units.targets,
                 temperature=self.scoring_temperature,
             )
-        return logps, targets
 
     @torch.no_grad()
     def all_transition_logps(self, model, inputs: dict, plan: TrajectoryPlan) -> torch.Tensor:
         """Every target's log-prob at its own transition's state, shape `(B, L)` (0 elsewhere), in chunks of
-        `transitions_per_forward` states."""
-        pairs = select_transitions(plan.num_transitions, "all", 1)
+        `transitions_per_forward` units."""
+        every = plan.state_step >= 0
+        units = self.scoring_units(inputs, plan, every)
         logps = torch.zeros(plan.transition_index.shape, dtype=torch.float32, device=plan.transition_index.device)
         size = self.args.transitions_per_forward
-        for start in range(0, len(pairs.rows), size):
-            rows, transitions = pairs.rows[start : start + size], pairs.transitions[start : start + size]
-            chunk, _ = self.transition_logps(model, inputs, plan, rows, transitions)
-            logps.index_add_(0, rows, chunk)
+        for start in range(0, len(units), size):
+            chunk = units.chunk(start, start + size)
+            logps.index_add_(0, chunk.rows, self.unit_logps(model, inputs, chunk))
         return logps
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
@@ -231,44 +248,53 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
 
     # ------------------------------------------------------------------ the loss
 
-    def transition_advantages(self, inputs: dict, rows: torch.LongTensor, transitions: torch.LongTensor):
-        """The advantage of each (row, transition) pair: the completion's (a subclass may make it per transition)."""
-        return inputs["advantages"][rows]
+    def position_advantages(self, inputs: dict, rows: torch.LongTensor, transitions: torch.LongTensor):
+        """The advantage of each target of the units, shape `(units, L)` from the units' rows and their positions'
+        transitions: the completion's (a subclass may make it per transition)."""
+        return inputs["advantages"][rows][:, None].expand(transitions.shape)
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
         plan = self.stored_plan(inputs)
         kept = self.kept_rows(inputs)
         selection = self.select_transitions(inputs, plan, kept)
+        weights = selection_weights(selection, tuple(plan.state_step.shape))
+        units = self.scoring_units(inputs, plan, weights > 0)
+        if len(units) == 0:
+            # Nothing to score: one state with weight 0, so that every process still runs a forward and a backward.
+            empty = torch.zeros(
+                1, plan.transition_index.shape[1], dtype=torch.bool, device=plan.transition_index.device
+            )
+            units = ScoringUnits(plan.transition_index.new_zeros(1), empty, empty)
         coefficients = self.token_coefficients(plan, kept)
         size = self.args.transitions_per_forward
-        # With nothing to score, one state with weight 0: every process still runs a forward and a backward.
-        num_pieces = max(1, -(-len(selection.rows) // size))
-        return num_pieces, self._chunk_losses(model, inputs, plan, selection, coefficients, size, mode)
+        num_pieces = -(-len(units) // size)
+        return num_pieces, self._chunk_losses(
+            model, inputs, plan, units, weights, coefficients, size, len(selection.rows), mode
+        )
 
-    def _chunk_losses(self, model, inputs, plan, selection, coefficients, size, mode) -> Iterator[torch.Tensor]:
+    def _chunk_losses(
+        self, model, inputs, plan, units, weights, coefficients, size, num_selected, mode
+    ) -> Iterator[torch.Tensor]:
         device = plan.transition_index.device
-        rows_all, transitions_all, weights_all = selection.rows, selection.transitions, selection.weights
-        if len(rows_all) == 0:
-            rows_all = torch.zeros(1, dtype=torch.long, device=device)
-            transitions_all = torch.zeros(1, dtype=torch.long, device=device)
-            weights_all = torch.zeros(1, dtype=torch.float64, device=device)
         scale = 1.0 / self.loss_scale(mode)
         # Sums over the target tokens of every chunk: count, clipped (low, high), ratio, KL.
         totals = torch.zeros(5, device=device, dtype=torch.float64)
-        for start in range(0, len(rows_all), size):
-            rows, transitions = rows_all[start : start + size], transitions_all[start : start + size]
-            weights = weights_all[start : start + size].float()
-            logps, targets = self.transition_logps(model, inputs, plan, rows, transitions)
+        for start in range(0, len(units), size):
+            chunk = units.chunk(start, start + size)
+            rows, targets = chunk.rows, chunk.targets
+            transitions = plan.transition_index[rows].clamp(min=0)
+            logps = self.unit_logps(model, inputs, chunk)
             old = self.old_logps(inputs, rows, logps)
-            advantages = self.transition_advantages(inputs, rows, transitions)
+            advantages = self.position_advantages(inputs, rows, transitions)
             target = self.kl_target_logps(inputs, rows, old)
             token_losses, ratio, clipped_low, clipped_high, kl = self.token_losses(
-                logps, old, target, targets, advantages
+                logps, old, target, targets, transitions, advantages
             )
-            weighted = weights[:, None] * coefficients[rows] * targets
-            yield scale * (weighted * token_losses).sum()
+            # Each target's weight: its transition's draws times its coefficient in the all-transitions loss.
+            token_weights = weights[rows].gather(1, transitions).float() * coefficients[rows] * targets
+            yield scale * (token_weights * token_losses).sum()
             with torch.no_grad():
-                counted = targets & (coefficients[rows] > 0) & (weights[:, None] > 0)
+                counted = token_weights > 0
                 totals += torch.stack(
                     [
                         counted.sum(),
@@ -284,7 +310,8 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
             [
                 counted_rows.sum().double(),
                 (plan.num_transitions * counted_rows).sum().double(),
-                torch.tensor(float(len(selection.rows)), device=device, dtype=torch.float64),
+                torch.tensor(float(num_selected), device=device, dtype=torch.float64),
+                torch.tensor(float(len(units)), device=device, dtype=torch.float64),
             ]
         )
         gathered = self.accelerator.gather(torch.cat([totals, per_row])[None]).sum(dim=0)
@@ -297,6 +324,7 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         completions = gathered[5].clamp(min=1)
         metrics["trajectory/transitions_per_completion"].append((gathered[6] / completions).item())
         metrics["trajectory/scored_transitions_per_completion"].append((gathered[7] / completions).item())
+        metrics["trajectory/forwards_per_completion"].append((gathered[8] / completions).item())
 
     def old_logps(self, inputs: dict, rows: torch.LongTensor, logps: torch.Tensor) -> torch.Tensor:
         """The old log-probs of the ratio at the chunk's targets: the sampler's, the stored recomputed ones, or (on
@@ -320,42 +348,38 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         old: torch.Tensor,
         target: torch.Tensor | None,
         targets: torch.BoolTensor,
+        transitions: torch.LongTensor,
         advantages: torch.Tensor,
     ):
-        """The per-token loss `l_n` (see the class docstring) of a chunk, shape `(pairs, L)`, with, for the metrics,
-        the ratio, whether the lower / upper clip is active, and the KL, each per token (per transition values
-        broadcast to its tokens with `ratio_level="transition"`)."""
+        """The per-token loss `l_n` (see the class docstring) of a chunk of units, shape `(units, L)`, with, for the
+        metrics, the ratio, whether the lower / upper clip is active, and the KL, each per token. With
+        `ratio_level="transition"` the log-ratio and the KL's log-difference are summed over each transition's
+        targets (`transitions`: the transition of each position) and the transition's values broadcast to them."""
         args = self.args
         low, high = 1.0 - args.epsilon, 1.0 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon)
         mask = targets.float()
-        advantages = advantages[:, None].float()
-        if args.ratio_level == "token":
-            log_ratio = (logps - old) * mask
-        else:
-            log_ratio = ((logps - old) * mask).sum(dim=1, keepdim=True)
-        ratio = log_ratio.exp()
+
+        def per_level(values: torch.Tensor) -> torch.Tensor:
+            values = values * mask
+            if args.ratio_level == "token":
+                return values
+            sums = torch.zeros(values.shape[0], int(transitions.max()) + 1, device=values.device, dtype=values.dtype)
+            return sums.scatter_add(1, transitions, values).gather(1, transitions) * mask
+
+        advantages = advantages.float()
+        ratio = per_level(logps - old).exp()
         clipped = ratio.clamp(low, high)
         losses = -torch.minimum(ratio * advantages, clipped * advantages)
         kl = torch.zeros_like(ratio)
         if target is not None:
-            if args.ratio_level == "token":
-                difference = (target - logps) * mask
-            else:
-                difference = ((target - logps) * mask).sum(dim=1, keepdim=True)
+            difference = per_level(target - logps)
             kl = difference.exp() - difference - 1 if args.kl_estimator == "k3" else 0.5 * difference**2
             if args.use_bias_correction_kl:
                 kl = kl * ratio
             losses = losses + self.kl_coefficient * kl
         clipped_low = (ratio < low) & (advantages < 0)
         clipped_high = (ratio > high) & (advantages > 0)
-        shape = logps.shape
-        return (
-            losses.expand(shape),
-            ratio.detach().expand(shape),
-            clipped_low.expand(shape),
-            clipped_high.expand(shape),
-            kl.detach().expand(shape),
-        )
+        return losses, ratio.detach(), clipped_low, clipped_high, kl.detach()
 
     def _compute_loss(self, model, inputs):
         """The whole loss in one graph: what evaluation reports. Training back-propagates chunk by chunk."""
