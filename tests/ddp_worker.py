@@ -1,5 +1,6 @@
-"""One BGPO (or wd1, or JustGRPO) optimiser step on a tiny LLaDA, for the data-parallel checks of
-`tests/test_bgpo.py` (and `tests/test_wd1.py`, `tests/test_just_grpo.py`, with `--trainer wd1` / `just_grpo`).
+"""One BGPO (or wd1, JustGRPO, AGRPO) optimiser step on a tiny LLaDA, for the data-parallel checks of
+`tests/test_bgpo.py` (and `tests/test_wd1.py`, `tests/test_just_grpo.py`, `tests/test_trajectory.py`, with
+`--trainer wd1` / `just_grpo` / `agrpo`).
 
 Run under torchrun, each rank saves `rank{r}.pt` (its parameters before and after the step, its rollouts and the log
 history) in `--output-dir`:
@@ -34,7 +35,11 @@ TRAINERS = {
     "bgpo": ("BGPOConfig", "BGPOTrainer", ()),
     "wd1": ("WD1Config", "WD1Trainer", ("wd1_weights",)),
     "just_grpo": ("JustGRPOConfig", "JustGRPOTrainer", ("completion_mask",)),
+    "agrpo": ("AGRPOConfig", "AGRPOTrainer", ("commit_step", "commit_logprob")),
 }
+# AGRPO's settings in the check: 3 entropy-weighted Monte Carlo transitions and CJ-GRPO's pooled reduction, whose
+# denominators count every process's tokens.
+AGRPO_SETTINGS = {"num_selected_transitions": 3, "transition_reduction": "pooled"}
 
 
 def reward(completions, **kwargs):
@@ -93,6 +98,8 @@ def train_one_step(
         getattr(trl_diffusion.trainer, trainer_name),
     )
     own_settings = {"num_mc_samples": num_mc_samples} if trainer == "bgpo" else {}
+    if trainer == "agrpo":
+        own_settings = AGRPO_SETTINGS
     sampler = dict(block_length=8, diffusion_steps=8)
     if trainer == "just_grpo":  # left to right: its config fixes one position per block and per step
         sampler, own_settings = {}, {"just_grpo_positions_per_forward": 3}

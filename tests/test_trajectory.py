@@ -39,10 +39,14 @@ from trl_diffusion.trajectory import (
 )
 
 from helpers import (
+    assert_same_update,
     distinct_chars,
+    eos_leaning_checkpoint,
     gradients,
+    load_ddp_worker,
     perturb,
     rollout_batch,
+    run_ddp_worker,
     save_checkpoint,
     say_dataset,
     tiny_grpo_config,
@@ -771,3 +775,26 @@ def test_block_models_score_their_own_trajectories(family, tiny_tokenizer, tmp_p
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters() if n in initial)
+
+
+# ---------------------------------------------------------------------------------------------- data parallel
+
+
+def test_two_processes_train_like_one_process(tiny_llada, tiny_tokenizer, tmp_path):
+    """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows (`ddp_worker.py --trainer agrpo`:
+    entropy-weighted Monte Carlo transitions, the sampler's log-probs, the pooled reduction whose token counts span
+    both processes; answers of different lengths, so the processes hold different numbers of transitions): the same
+    rollouts and the same parameters after one SGD step on both ranks."""
+    model_dir = eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, tmp_path / "model", eos_weight=0.3)
+    one = load_ddp_worker().train_one_step(model_dir, str(tmp_path / "one"), 8, trainer="agrpo")
+    arguments = ["--model-dir", model_dir, "--trainer", "agrpo", "--per-device-train-batch-size", "4"]
+    ranks = run_ddp_worker(tmp_path / "ddp", 2, *arguments)
+    reference = one["rollouts"][0]
+    for key in ("completion_canvas", "commit_step", "advantages"):
+        assert torch.equal(torch.cat([run["rollouts"][0][key] for run in ranks]), reference[key]), key
+    torch.testing.assert_close(
+        torch.cat([run["rollouts"][0]["commit_logprob"] for run in ranks]), reference["commit_logprob"]
+    )
+    steps = [len(run["rollouts"][0]["commit_step"][0].unique()) for run in ranks]
+    print(f"\ndistinct steps of each rank's first row: {steps}")
+    assert_same_update(ranks, one, "two processes vs one")

@@ -223,7 +223,9 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
 
     def token_coefficients(self, plan: TrajectoryPlan, kept: torch.Tensor) -> torch.Tensor:
         """c_n: each target's coefficient in the all-transitions loss under `transition_reduction`, shape `(B, L)`
-        (0 off the targets and for rows left out). The denominators are those of the micro-batch."""
+        (0 off the targets and for rows left out). The denominators count the micro-batch over every process, and
+        the coefficients are scaled by the number of processes, which data parallelism averages over: the loss of
+        a micro-batch split over processes is that of the whole micro-batch in one process."""
         index = plan.transition_index
         targets = (index >= 0) & (kept[:, None] > 0)
         width = plan.state_step.shape[1]
@@ -232,19 +234,22 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         )
         num_transitions = (sizes > 0).sum(dim=1).float()
         reduction = self.args.transition_reduction
-        if reduction == "sample":
-            num_rows = (num_transitions > 0).sum().clamp(min=1)
-            per_transition = 1.0 / (sizes * num_transitions[:, None] * num_rows)
-        elif reduction == "transition":
-            per_transition = 1.0 / (sizes * num_transitions.sum().clamp(min=1))
-        elif reduction == "response":
-            per_transition = torch.full_like(sizes, 1.0 / (index.shape[1] * num_transitions.sum().clamp(min=1)))
-        else:  # pooled: per transition index, the token mean over the batch; then the mean over indices
-            pooled = sizes.sum(dim=0)
+        if reduction == "pooled":  # per transition index, the token mean over the batch; then the mean over indices
+            pooled = self.accelerator.pad_across_processes(sizes.sum(dim=0), dim=0)
+            pooled = self.accelerator.gather(pooled[None]).sum(dim=0)[:width]
             num_indices = (pooled > 0).sum().clamp(min=1)
             per_transition = (1.0 / (pooled * num_indices)).expand_as(sizes)
+        else:
+            counts = torch.stack([(num_transitions > 0).sum().float(), num_transitions.sum()])
+            num_rows, total_transitions = self.accelerator.gather(counts[None]).sum(dim=0).clamp(min=1)
+            if reduction == "sample":
+                per_transition = 1.0 / (sizes * num_transitions[:, None] * num_rows)
+            elif reduction == "transition":
+                per_transition = 1.0 / (sizes * total_transitions)
+            else:  # response
+                per_transition = torch.full_like(sizes, 1.0 / (index.shape[1] * total_transitions))
         per_transition = torch.where(sizes > 0, per_transition, torch.zeros_like(per_transition))
-        return per_transition.gather(1, index.clamp(min=0)) * targets
+        return per_transition.gather(1, index.clamp(min=0)) * targets * self.accelerator.num_processes
 
     # ------------------------------------------------------------------ the loss
 
