@@ -41,6 +41,9 @@ ROLLOUT_FLAGS = ["--dataset_name", "largest_digit", "--num_train_examples", "16"
 ROLLOUT_FLAGS += ["--num_generations", "4", "--max_prompt_length", "64", "--max_completion_length", "32"]
 SAMPLER_FLAGS = ["--block_length", "8", "--diffusion_steps", "8"]
 LEFT_TO_RIGHT = {"just_grpo"}
+# TraceRL leaves out prompts whose pass rate lies outside [0.2, 0.8]; on a reward without a pass threshold every prompt
+# would go and no gradient run: the smoke keeps them all.
+OWN_FLAGS = {"trace_rl": ["--pass_rate_range", "0", "1"]}
 COMMON_FLAGS = ["--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none"]
 COMMON_FLAGS += ["--disable_tqdm", "true", "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--seed", "0"]
 # A reward with variance on a random model (the task's own is 0 for every completion there, and so is the gradient).
@@ -69,7 +72,7 @@ VARIANTS = {
 def command_flags(command: str, sft_data: Path) -> list[str]:
     if command == "sft":
         return ["--dataset_name", str(sft_data), "--per_device_train_batch_size", "4", "--max_completion_length", "8"]
-    return [*ROLLOUT_FLAGS, *([] if command in LEFT_TO_RIGHT else SAMPLER_FLAGS)]
+    return [*ROLLOUT_FLAGS, *([] if command in LEFT_TO_RIGHT else SAMPLER_FLAGS), *OWN_FLAGS.get(command, [])]
 
 
 def run_one(command: str, argv: list[str], output_dir: Path) -> dict:
