@@ -236,3 +236,33 @@ def test_lora_rules_of_the_family(build, tiny_tokenizer):
     assert wrapped == (expected if build is build_tiny_sdar_moe else expected | {"gate_proj", "up_proj", "down_proj"})
     trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
+
+
+def test_moe_load_balancing_loss_counts_the_real_tokens(tiny_tokenizer):
+    """With router logits on, SDAR-MoE's load-balancing loss is Switch's over the real tokens of the padding mask (an
+    independent computation), the tokens in the left padding change nothing, the logits are those of the forward
+    without router logits, and the loss with labels adds `router_aux_loss_coef` times it."""
+    model = build_tiny_sdar_moe(tiny_tokenizer).eval()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(10, 60, (2, 12), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    output = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True, labels=input_ids)
+
+    num_experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    logits = torch.cat([layer.float() for layer in output.router_logits])
+    real = attention_mask.reshape(-1).float().repeat(len(output.router_logits))
+    probabilities = logits.softmax(dim=-1)
+    chosen = torch.nn.functional.one_hot(probabilities.topk(top_k, dim=-1).indices, num_experts).float()
+    tokens_per_expert = (chosen * real[:, None, None]).sum(dim=0) / real.sum()
+    probability_per_expert = (probabilities * real[:, None]).sum(dim=0) / real.sum()
+    expected = num_experts * (tokens_per_expert * probability_per_expert[None]).sum()
+    torch.testing.assert_close(output.aux_loss, expected, rtol=1e-5, atol=1e-6)
+
+    changed = input_ids.clone()
+    changed[0, :3] = 70
+    again = model(input_ids=changed, attention_mask=attention_mask, output_router_logits=True)
+    torch.testing.assert_close(again.aux_loss, output.aux_loss)
+    plain = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids)
+    torch.testing.assert_close(output.logits, plain.logits)
+    torch.testing.assert_close(output.loss, plain.loss + model.config.router_aux_loss_coef * output.aux_loss)

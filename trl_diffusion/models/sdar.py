@@ -26,6 +26,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 from transformers.utils.deprecation import deprecate_kwarg
 
 SDAR_MASK_TOKEN_ID = 151669  # <|MASK|>
@@ -150,6 +153,30 @@ class BlockCausalMixin:
     it then gets the logits of the forward over the whole sequence.
     """
 
+    def block_causal_inputs(self, input_ids, attention_mask, position_ids, cache, inputs_embeds):
+        """`(input_ids, inputs_embeds, mask, position_ids, padding)` for the base model: the block-causal 4-D mask
+        built from a 2-D padding mask (passed through when the caller built it), and the 2-D padding mask of the fed
+        positions (`None` when the caller passed a ready mask)."""
+        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
+            return input_ids, inputs_embeds, attention_mask, position_ids, None  # built by the caller
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+            input_ids = None
+        batch_size, fed_length = inputs_embeds.shape[:2]
+        if attention_mask is None:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            attention_mask = torch.ones(
+                (batch_size, past_length + fed_length), dtype=torch.long, device=inputs_embeds.device
+            )
+        key_position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if position_ids is None:
+            position_ids = key_position_ids[:, -fed_length:]
+        # A 4-D mask passes through the base models' mask preparation unchanged (Qwen3-MoE takes no dict).
+        mask = block_causal_mask(
+            self.config, inputs_embeds, attention_mask, position_ids, self.config.block_size, key_position_ids
+        )
+        return input_ids, inputs_embeds, mask, position_ids, attention_mask[:, -fed_length:]
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -162,25 +189,9 @@ class BlockCausalMixin:
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ):
-        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
-            mask = attention_mask  # built by the caller
-        else:
-            if inputs_embeds is None:
-                inputs_embeds = self.get_input_embeddings()(input_ids)
-                input_ids = None
-            batch_size, fed_length = inputs_embeds.shape[:2]
-            if attention_mask is None:
-                past_length = cache.get_seq_length() if cache is not None else 0
-                attention_mask = torch.ones(
-                    (batch_size, past_length + fed_length), dtype=torch.long, device=inputs_embeds.device
-                )
-            key_position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            if position_ids is None:
-                position_ids = key_position_ids[:, -fed_length:]
-            # A 4-D mask passes through the base models' mask preparation unchanged (Qwen3-MoE takes no dict).
-            mask = block_causal_mask(
-                self.config, inputs_embeds, attention_mask, position_ids, self.config.block_size, key_position_ids
-            )
+        input_ids, inputs_embeds, mask, position_ids, _ = self.block_causal_inputs(
+            input_ids, attention_mask, position_ids, cache, inputs_embeds
+        )
         return super().forward(
             input_ids=input_ids,
             attention_mask=mask,
@@ -307,6 +318,66 @@ class SDARMoeForCausalLM(BlockCausalMixin, Qwen3MoeForCausalLM):
     """
 
     config_class = SDARMoeConfig
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        """`Qwen3MoeForCausalLM.forward` with block-causal attention. With router logits on (`output_router_logits`
+        or the config's), the load-balancing loss averages over the real tokens of the 2-D padding mask: Qwen3-MoE's
+        own forward would hand it the 4-D block-causal mask, which it cannot read."""
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        if not output_router_logits:
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                output_router_logits=False,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        input_ids, inputs_embeds, mask, position_ids, padding = self.block_causal_inputs(
+            input_ids, attention_mask, position_ids, cache, inputs_embeds
+        )
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=True,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        aux_loss = load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, padding)
+        if loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
 
 
 register_checkpoint_conversion_mapping(
