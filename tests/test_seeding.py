@@ -7,7 +7,15 @@ from trl_diffusion.seeding import derive_seed
 STREAM_GROUPS = {
     "rollout": ("ROLLOUT_TRAIN", "ROLLOUT_EVAL"),
     "row": ("ROW_SAMPLING", "ROW_MASKS"),
-    "mask seed": ("MASK_COMPLETION", "MASK_SAMPLE", "MASK_PROMPT", "LFPO_STATES", "MASK_PAIR", "MASK_BLOCKS"),
+    "mask seed": (
+        "MASK_COMPLETION",
+        "MASK_SAMPLE",
+        "MASK_PROMPT",
+        "LFPO_STATES",
+        "MASK_PAIR",
+        "MASK_BLOCKS",
+        "TRAJECTORY_TRANSITIONS",
+    ),
     "sft": ("SFT_TRAIN_NOISE", "SFT_EVAL_NOISE"),
 }
 
