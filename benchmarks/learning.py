@@ -1,4 +1,4 @@
-"""Learning: all five trainers on the demo task with the same budget and seeds, held-out accuracy and reward curves.
+"""Learning: every trainer on the demo task with the same budget and seeds, held-out accuracy and reward curves.
 
 For each seed, the demo's first two stages run once (`trl_diffusion.demo.build_and_sft`): a tiny LLaDA SFT'd on
 `largest_digit` with random listed digits as answers (the format without the skill). Every trainer then starts
@@ -7,9 +7,10 @@ completions), sampling temperature 1.0, learning rate (constant, no warm-up), gr
 `num_iterations=1`, the demo's KL coefficient `beta=0.04` towards the SFT model (LFPO, which estimates no
 likelihood, has no KL term: `beta=0`, its EMA old policy anchors it), and otherwise each objective at its own
 defaults (DiffuGRPO: mean-field one-step likelihood; VRPO: n_t 4; BGPO: n_t 16; ESPO: 2 coupled pairs,
-sequence-level clipped ratio; LFPO: K 8 trajectory states, contrastive step 1.0). Held-out accuracy is greedy
-diffusion decoding (`trl_diffusion.evaluation.evaluate_task`) on the same test prompts for every model; the reward
-curve is each step's mean rollout reward.
+sequence-level clipped ratio; LFPO: K 8 trajectory states, contrastive step 1.0; the second wave and the trajectory
+trainers likewise, with `OVERRIDES` and `OWN_STEPS` the exceptions, explained where they are defined). Held-out
+accuracy is greedy diffusion decoding (`trl_diffusion.evaluation.evaluate_task`) on the same test prompts for every
+model; the reward curve is each step's mean rollout reward.
 
     python benchmarks/learning.py            # CPU defaults (3 seeds, SFT 600 steps, RL 300 steps, 400 test prompts)
     python benchmarks/learning.py --smoke    # seconds: CI's check that the script runs
@@ -52,15 +53,22 @@ from _common import TRAINERS as FIRST_WAVE_TRAINERS
 
 from trl_diffusion.scripts.registry import trainer_classes
 
-# The first five (shared with the memory and step-time benchmarks) and the second wave (issue 16).
+# The first five (shared with the memory and step-time benchmarks), the second wave (issue 16) and the trajectory
+# trainers.
+TRAJECTORY_TRAINERS = ("trace_rl", "cj_grpo", "agrpo")
 TRAINERS = {
     **FIRST_WAVE_TRAINERS,
-    **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg")},
+    **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
 }
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
+LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
+COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
+# CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
+# at most bit_length(block) (3); the benchmark's one step per token (4) is refused, so its config's default stays.
+OWN_STEPS = {"cj_grpo"}
 
 # The training rollouts' speed-ups (`--rollouts fast`); the cache is chosen by the canvas.
 FAST_ROLLOUTS = {"early_stop": True, "threshold": 0.9}
@@ -91,6 +99,12 @@ RL_SETTINGS = {
 BETA = {"diffu_grpo": 0.04, "vrpo": 0.04, "bgpo": 0.04, "espo": 0.04, "lfpo": 0.0}
 # wd1 and SPG have no KL term (their configs refuse one); coupled-GRPO and JustGRPO keep the others' KL.
 BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
+# The trajectory trainers keep the others' KL too, towards the SFT model. TraceRL's own KL pulls towards the old
+# policy, which with num_iterations=1 is the current one detached: zero in value and gradient. So TraceRL is run
+# with `kl_target="reference"` (CJ-GRPO's and AGRPO's default), the others' anchor; AGRPO's recipe has beta 0.
+BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
+# Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
+OVERRIDES = {"trace_rl": {"kl_target": "reference"}}
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "diffu_grpo": ("p_mask_prompt",),
@@ -102,6 +116,23 @@ OBJECTIVE_FIELDS = {
     "wd1": ("psi", "p_mask_prompt"),
     "just_grpo": ("just_grpo_positions_per_forward", "loss_type"),
     "spg": ("num_mc_samples", "mask_sampler", "negative_bound", "eubo_beta", "eubo_mix_weight", "elbo_region"),
+    "trace_rl": ("transition_grouping", "transition_reduction", "pass_rate_range", "kl_target", "epsilon"),
+    "cj_grpo": ("schedule", "eos_rejection_min", "transition_reduction", "kl_target", "epsilon", "scale_rewards"),
+    "agrpo": (
+        "transition_selection",
+        "num_selected_transitions",
+        "old_logprobs",
+        "remasking",
+        "kl_target",
+        "epsilon",
+        "scale_rewards",
+    ),
+}
+# Per-step metrics of a trainer averaged over its run and reported with it.
+RUN_METRICS = {
+    "trace_rl": ("trajectory/kept_prompts", "trajectory/transitions_per_completion"),
+    "cj_grpo": ("trajectory/transitions_per_completion",),
+    "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),
 }
 
 
@@ -178,7 +209,9 @@ def rl_job(job: dict) -> dict:
     max_completion_length, block_length = job["canvas"]
     sampler = rollout_sampler(job["rollouts"], max_completion_length, block_length)
     if name not in LEFT_TO_RIGHT:
-        sampler.update(block_length=block_length, diffusion_steps=max_completion_length)
+        sampler.update(block_length=block_length)
+        if name not in OWN_STEPS:
+            sampler.update(diffusion_steps=max_completion_length)
     config = config_class(
         output_dir=job["output_dir"],
         max_steps=job["rl_steps"],
@@ -194,6 +227,7 @@ def rl_job(job: dict) -> dict:
         seed=seed,
         beta=BETA[name],
         **RL_SETTINGS,
+        **OVERRIDES.get(name, {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(job["sft_dir"])
     trainer = trainer_class(
@@ -220,6 +254,11 @@ def rl_job(job: dict) -> dict:
             if "diffusion/forward_passes" in entry
         ),
         "objective": {field: getattr(config, field) for field in OBJECTIVE_FIELDS[name]},
+        "metrics": {
+            metric: statistics.fmean(values)
+            for metric in RUN_METRICS.get(name, ())
+            if (values := [entry[metric] for entry in trainer.state.log_history if metric in entry])
+        },
     }
 
 
@@ -337,6 +376,7 @@ def main(argv=None) -> dict:
         "learning_rate": args.learning_rate or preset.learning_rate,
         "rl": RL_SETTINGS,
         "beta": {name: BETA[name] for name in args.trainers},
+        "overrides": {name: OVERRIDES[name] for name in args.trainers if name in OVERRIDES},
         "canvas": canvas,
         "rollouts": args.rollouts,
         "rollout_sampler": rollout_sampler(args.rollouts, *canvas),
@@ -417,7 +457,10 @@ def main(argv=None) -> dict:
             "forward_passes_mean": statistics.fmean(run["forward_passes"] for run in runs),
             "final_reward_mean": statistics.fmean(statistics.fmean(run["rewards"][-10:]) for run in runs),
             "runs": [
-                {key: run[key] for key in ("seed", "accuracy", "train_seconds", "forward_passes", "rewards")}
+                {
+                    key: run[key]
+                    for key in ("seed", "accuracy", "train_seconds", "forward_passes", "rewards", "metrics")
+                }
                 for run in runs
             ],
         }

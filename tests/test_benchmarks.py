@@ -189,12 +189,29 @@ def test_learning_smoke(tmp_path):
         "wd1": 0.0,
         "just_grpo": 0.04,
         "spg": 0.0,
+        "trace_rl": 0.04,
+        "cj_grpo": 0.04,
+        "agrpo": 0.04,
     }
+    assert settings["overrides"] == {"trace_rl": {"kl_target": "reference"}}
     assert settings["rl"]["per_device_train_batch_size"] == 64 and settings["rl"]["num_generations"] == 8
     assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
     assert [run["seed"] for run in payload["sft"]["runs"]] == [0]
     results = {result["trainer"]: result for result in payload["results"]}
-    assert results.keys() == {"diffu_grpo", "vrpo", "bgpo", "espo", "lfpo", "coupled_grpo", "wd1", "just_grpo", "spg"}
+    assert results.keys() == {
+        "diffu_grpo",
+        "vrpo",
+        "bgpo",
+        "espo",
+        "lfpo",
+        "coupled_grpo",
+        "wd1",
+        "just_grpo",
+        "spg",
+        "trace_rl",
+        "cj_grpo",
+        "agrpo",
+    }
     for name, result in results.items():
         assert {
             "objective",
@@ -211,6 +228,14 @@ def test_learning_smoke(tmp_path):
     assert results["bgpo"]["objective"]["num_mc_samples"] == 16
     assert results["vrpo"]["objective"]["num_mc_samples"] == 4
     assert results["espo"]["objective"]["mask_sampler"] == "coupled"
+    # The trajectory trainers: TraceRL's shrinkage and filter, CJ-GRPO's sampler (its own step count: 2 on the block
+    # of 4), AGRPO's 24 entropy-weighted draws; their run metrics reported.
+    assert results["trace_rl"]["objective"]["transition_grouping"] == 8
+    assert results["trace_rl"]["objective"]["pass_rate_range"] == [0.2, 0.8]
+    assert results["cj_grpo"]["objective"]["schedule"] == "ascending"
+    assert results["cj_grpo"]["forward_passes_mean"] == 2
+    assert results["agrpo"]["objective"]["num_selected_transitions"] == 24
+    assert "trajectory/kept_prompts" in results["trace_rl"]["runs"][0]["metrics"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run for real")
