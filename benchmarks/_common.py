@@ -120,9 +120,9 @@ def countdown_dataset(num_examples: int, seed: int = 0):
 
 
 def make_trainer(name: str, model_dir: Path, rollout: RolloutSize, device: str, output_dir: Path, **overrides):
-    """Trainer `name` at its own defaults, with the rollout shape, device and bookkeeping settings of a benchmark;
-    `overrides` are config fields (the swept parameter, say)."""
-    config_class, trainer_class = TRAINERS[name]
+    """Trainer `name` (any training command of `trl-diffusion`) at its own defaults, with the rollout shape, device and
+    bookkeeping settings of a benchmark; `overrides` are config fields (the swept parameter, say)."""
+    config_class, trainer_class = trainer_classes(name)
     settings = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=rollout.rows,

@@ -39,10 +39,10 @@ from _common import (
     RolloutSize,
     benchmark_parser,
     clock,
-    countdown_dataset,
     format_table,
     fresh_process_context,
     machine_info,
+    make_trainer,
     mib,
     model_description,
     random_model_dir,
@@ -53,7 +53,6 @@ from _common import (
 )
 from memory import PeakMemory, enable_checkpointing_as_train
 
-from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.utils import SavedTensorsMeter
 
 TRAINERS = ("cj_grpo", "trace_rl", "agrpo")
@@ -87,33 +86,12 @@ def measure_point(job: dict) -> dict:
     set_threads(job["threads"])
     name, steps, device = job["trainer"], job["steps"], job["device"]
     rollout = RolloutSize(**{**job["rollout"], "diffusion_steps": steps})
-    config_class, trainer_class = trainer_classes(name)
-    dataset, reward_funcs = countdown_dataset(64)
-    args = config_class(
-        output_dir=job["output_dir"],
-        per_device_train_batch_size=rollout.rows,
-        num_generations=rollout.num_generations,
-        max_prompt_length=rollout.max_prompt_length,
-        max_completion_length=rollout.max_completion_length,
-        block_length=rollout.block_length,
-        diffusion_steps=rollout.diffusion_steps,
-        beta=0.0,
-        num_iterations=1,
-        elbo_region="canvas",
-        gradient_checkpointing=job["checkpointing"],
-        use_cpu=device == "cpu",
-        bf16=device == "cuda",
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        **OVERRIDES[name],
-    )
-    trainer = trainer_class(model=job["model_dir"], reward_funcs=reward_funcs, args=args, train_dataset=dataset)
+    overrides = dict(beta=0.0, num_iterations=1, elbo_region="canvas", gradient_checkpointing=job["checkpointing"])
+    overrides.update(OVERRIDES[name])
+    trainer = make_trainer(name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]), **overrides)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    rows = [dataset[index // rollout.num_generations] for index in range(rollout.rows)]
+    rows = [trainer.train_dataset[index // rollout.num_generations] for index in range(rollout.rows)]
     batch = trainer._generate_and_score_completions(rows)
     batch["advantages"] = torch.tensor(
         [(-1.0) ** row for row in range(rollout.rows)], device=trainer.accelerator.device

@@ -19,6 +19,7 @@ import memory  # noqa: E402
 import sampler_head  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
+import trajectory_memory  # noqa: E402
 
 sys.path.insert(0, str(BENCHMARKS / "gpu"))
 import check  # noqa: E402
@@ -39,7 +40,9 @@ def load_outputs(directory: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "module", [learning, memory, sampler_head, step_time, throughput, check], ids=lambda module: module.__name__
+    "module",
+    [learning, memory, sampler_head, step_time, throughput, trajectory_memory, check],
+    ids=lambda module: module.__name__,
 )
 def test_help(module, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -75,6 +78,17 @@ def test_memory_smoke(tmp_path):
         for metric in ("saved_peak_bytes", "process_peak_bytes")
     }
     assert all(isinstance(outcome["passed"], bool) for outcome in payload["acceptance"].values())
+
+
+def test_trajectory_memory_smoke(tmp_path):
+    trajectory_memory.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = load_outputs(tmp_path, "trajectory_memory")
+    points = payload["points"]
+    assert {(point["trainer"], point["steps"]) for point in points} == {
+        (name, steps) for name in trajectory_memory.TRAINERS for steps in trajectory_memory.PRESETS["smoke"].points
+    }
+    assert all(point["saved_peak_bytes"] > 0 and point["forwards_per_completion"] >= 1 for point in points)
+    assert payload["acceptance"].keys() == set(trajectory_memory.TRAINERS)
 
 
 def test_step_time_smoke(tmp_path):
