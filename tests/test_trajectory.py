@@ -798,3 +798,18 @@ def test_two_processes_train_like_one_process(tiny_llada, tiny_tokenizer, tmp_pa
     steps = [len(run["rollouts"][0]["commit_step"][0].unique()) for run in ranks]
     print(f"\ndistinct steps of each rank's first row: {steps}")
     assert_same_update(ranks, one, "two processes vs one")
+
+
+@pytest.mark.parametrize(
+    ("config_class", "trainer_class"),
+    [(TraceRLConfig, TraceRLTrainer), (AGRPOConfig, AGRPOTrainer)],
+    ids=["trace_rl", "agrpo"],
+)
+def test_evaluation_reports_a_finite_loss(config_class, trainer_class, tiny_llada_dir, tmp_path):
+    """`evaluate` generates with the trained policy and scores its trajectories (TraceRL's pass-rate filter and
+    AGRPO's Monte Carlo draws apply to training only / at iteration 0)."""
+    args = tiny_grpo_config(config_class, tmp_path, per_device_eval_batch_size=4, num_generations_eval=4)
+    trainer = tiny_trainer(trainer_class, tiny_llada_dir, args, eval_dataset=say_dataset(1))
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"])
+    assert metrics["eval_trajectory/transitions_per_completion"] >= 1
