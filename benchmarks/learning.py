@@ -16,6 +16,12 @@ model; the reward curve is each step's mean rollout reward.
     python benchmarks/learning.py --smoke    # seconds: CI's check that the script runs
     python benchmarks/learning.py --canvas 8 4 --rollouts fast   # an 8-token canvas in 2 blocks, fast rollouts
 
+`--set TRAINER.FIELD=VALUE` (repeatable) changes one config field of one trainer for an ablation, on top of
+`OVERRIDES`, and is recorded in the JSON's `settings.overrides`:
+
+    python benchmarks/learning.py --trainers trace_rl --set trace_rl.transition_grouping=1 \
+        --set trace_rl.pass_rate_range=None --name learning_trace_rl_ablation
+
 `--canvas L B` SFTs, trains and evaluates on a canvas of L tokens in blocks of B (default: the task's 4 and 4).
 `--rollouts fast` decodes the training rollouts with the sampler's speed-ups (`FAST_ROLLOUTS`: early stop,
 threshold 0.9, the dual cache when there are several blocks, else the prefix cache); held-out accuracy is always the
@@ -29,6 +35,7 @@ Runs are spread over `--jobs` fresh processes (one torch thread each by default)
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import statistics
 import tempfile
@@ -227,7 +234,7 @@ def rl_job(job: dict) -> dict:
         seed=seed,
         beta=BETA[name],
         **RL_SETTINGS,
-        **OVERRIDES.get(name, {}),
+        **job["overrides"],
     )
     tokenizer = AutoTokenizer.from_pretrained(job["sft_dir"])
     trainer = trainer_class(
@@ -346,7 +353,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--rollouts", choices=ROLLOUT_MODES, default="plain", help="Training rollouts' sampler (default plain)."
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TRAINER.FIELD=VALUE",
+        help="Change one config field of one trainer (repeatable; VALUE a Python literal, else a string).",
+    )
     return parser.parse_args(argv)
+
+
+def overrides_of(trainers: list[str], assignments: list[str]) -> dict[str, dict]:
+    """`OVERRIDES` of the run's trainers, with the `--set TRAINER.FIELD=VALUE` assignments on top."""
+    overrides = {name: dict(OVERRIDES[name]) for name in trainers if name in OVERRIDES}
+    for assignment in assignments:
+        target, separator, text = assignment.partition("=")
+        name, dot, field_name = target.partition(".")
+        if not separator or not dot or name not in trainers:
+            raise SystemExit(
+                f"--set {assignment!r}: write TRAINER.FIELD=VALUE with TRAINER one of the run's trainers {trainers}."
+            )
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        overrides.setdefault(name, {})[field_name] = value
+    return overrides
 
 
 def _run_all(context, jobs: int, function, items: list[dict], describe) -> list[dict]:
@@ -376,7 +408,7 @@ def main(argv=None) -> dict:
         "learning_rate": args.learning_rate or preset.learning_rate,
         "rl": RL_SETTINGS,
         "beta": {name: BETA[name] for name in args.trainers},
-        "overrides": {name: OVERRIDES[name] for name in args.trainers if name in OVERRIDES},
+        "overrides": overrides_of(args.trainers, args.set),
         "canvas": canvas,
         "rollouts": args.rollouts,
         "rollout_sampler": rollout_sampler(args.rollouts, *canvas),
@@ -423,6 +455,7 @@ def main(argv=None) -> dict:
                 "threads": threads,
                 "canvas": canvas,
                 "rollouts": args.rollouts,
+                "overrides": settings["overrides"].get(name, {}),
             }
             for run in sft_runs
             for name in args.trainers
