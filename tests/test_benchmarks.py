@@ -80,6 +80,19 @@ def test_memory_smoke(tmp_path):
     assert all(isinstance(outcome["passed"], bool) for outcome in payload["acceptance"].values())
 
 
+def test_learning_set_changes_one_field_of_one_trainer():
+    overrides = learning.overrides_of(
+        ["trace_rl", "bgpo"], ["trace_rl.transition_grouping=1", "trace_rl.pass_rate_range=None", "bgpo.x=abc"]
+    )
+    assert overrides == {
+        "trace_rl": {"kl_target": "reference", "transition_grouping": 1, "pass_rate_range": None},
+        "bgpo": {"x": "abc"},
+    }
+    for wrong in ("trace_rl.transition_grouping", "spg.eubo_beta=1.0", "transition_grouping=1"):
+        with pytest.raises(SystemExit, match="TRAINER.FIELD=VALUE"):
+            learning.overrides_of(["trace_rl"], [wrong])
+
+
 def test_trajectory_memory_smoke(tmp_path):
     trajectory_memory.main(["--smoke", "--output-dir", str(tmp_path)])
     payload = load_outputs(tmp_path, "trajectory_memory")
