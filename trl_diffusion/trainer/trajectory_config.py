@@ -181,15 +181,9 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
                     f"{self.pass_rate_range}."
                 )
             self.pass_rate_range = tuple(low_high)
-        if (
-            self.old_logprobs == "sampler"
-            and not self.score_at_sampling_temperature
-            and self.temperature
-            not in (
-                0.0,
-                1.0,
-            )
-        ):
+        # The sampler records log-probs at its temperature (1 when greedy).
+        sampler_temperature = self.temperature if self.temperature > 0 else 1.0
+        if self.old_logprobs == "sampler" and not self.score_at_sampling_temperature and sampler_temperature != 1.0:
             raise ValueError(
                 "`old_logprobs='sampler'` takes the log-probs the sampler drew from, softmax(logits / temperature): "
                 f"with `score_at_sampling_temperature=False` the training log-probs use temperature 1, not "
