@@ -34,7 +34,7 @@ from helpers import cli_args, cpu_argv
 GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 SAMPLER_ADDITIONS = {"block_length", "cfg_scale", "defer_terminators", "diffusion_steps", "early_stop"}
 SAMPLER_ADDITIONS |= {"eos_rejection_max", "eos_rejection_min", "generation_cache", "remasking", "schedule"}
-SAMPLER_ADDITIONS |= {"threshold"}
+SAMPLER_ADDITIONS |= {"running_confidence", "threshold"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +377,7 @@ CLI_VALUES = {
 SEPARATE_CLI_VALUES = {
     "eos_rejection_min": (0.05, {"defer_terminators": False}),
     "defer_terminators": (True, {"eos_rejection_min": None}),
+    "running_confidence": (True, {"threshold": None, "lfpo_states": "forward"}),
 }
 # Fields that are another field under a former name: checked through `Spec.extra_parse`, not set with it.
 ALIASES = {"warmup_ratio"}
@@ -467,7 +468,8 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv + list(extra_argv))
     assert {name: getattr(config, name) for name in extra_expected} == extra_expected
     for name, value in separate.items():
-        compatible = SEPARATE_CLI_VALUES[name][1]
+        own_fields = {f.name for f in dataclasses.fields(config_class)}
+        compatible = {other: value for other, value in SEPARATE_CLI_VALUES[name][1].items() if other in own_fields}
         others = {other: other_value for other, other_value in expected.items() if other not in compatible}
         settings = {**others, **compatible, name: value}
         argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args(settings)]

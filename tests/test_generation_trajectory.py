@@ -341,3 +341,75 @@ def test_eos_rejection_needs_terminator_ids():
     config = DiffusionGenerationConfig(max_completion_length=8, block_length=8, eos_rejection_min=0.01)
     with pytest.raises(ValueError, match="`eos_rejection_min`.*terminator"):
         generate(model, STUB_PROMPT, (STUB_PROMPT != PAD).long(), generation_config=config, adapter=adapter)
+
+
+# ---------------------------------------------------------------------------------------------- running confidence
+
+
+def rcr_by_hand(model, adapter, prompt: list[int], length: int, block: int, steps_per_block: int):
+    """MDPO's running-confidence remasking of one prompt, greedy: each step, the block's masked positions propose their
+    argmax (the mask token excluded) at its probability, the committed ones keep the confidence they were committed
+    with, the schedule's count of the most confident are kept (ties towards the lowest position) and the others
+    masked. Returns the completion and each position's last commit step."""
+    mask = adapter.mask_token_id
+    canvas, confidence, commit = [mask] * length, [-math.inf] * length, [-1] * length
+    step = 0
+    for start in range(0, length, block):
+        positions = range(start, start + block)
+        counts = num_transfer_tokens(torch.tensor([block]), steps_per_block)[0].tolist()
+        kept_count = 0
+        for count in counts:
+            kept_count += count
+            logits = adapter.logits(model, torch.tensor([prompt + canvas]))[0, len(prompt) :].float()
+            logits[:, mask] = -math.inf
+            probabilities = logits.softmax(dim=-1)
+            scores = {}
+            for position in positions:
+                if canvas[position] == mask:
+                    token = int(probabilities[position].argmax())
+                    scores[position] = (float(probabilities[position, token]), token)
+                else:
+                    scores[position] = (confidence[position], canvas[position])
+            kept = set(sorted(positions, key=lambda position: (-scores[position][0], position))[:kept_count])
+            for position in positions:
+                if position in kept and canvas[position] == mask:
+                    confidence[position], canvas[position] = scores[position]
+                    commit[position] = step
+                elif position not in kept and canvas[position] != mask:
+                    canvas[position], confidence[position], commit[position] = mask, -math.inf, -1
+            step += 1
+    return canvas, commit
+
+
+def test_running_confidence_remasking_equals_its_definition(tiny_llama, tiny_tokenizer, chat_prompts):
+    """The batched, left-padded sampler with `running_confidence` equals RCR written out for each prompt alone, and it
+    does put committed tokens back (`remasks_committed`), which a trajectory rebuild could not follow."""
+    adapter = DiffusionAdapter.from_model(tiny_llama, tiny_tokenizer)
+    config = DiffusionGenerationConfig(
+        max_completion_length=16,
+        block_length=8,
+        diffusion_steps=8,
+        running_confidence=True,
+        record_commit_logprobs=True,
+    )
+    output = generate(tiny_llama, **chat_prompts, generation_config=config, adapter=adapter)
+    assert output.remasks_committed
+    assert (output.completion_ids != adapter.mask_token_id).all() and (output.commit_step >= 0).all()
+    for row, (ids, attention) in enumerate(zip(chat_prompts["input_ids"], chat_prompts["attention_mask"])):
+        prompt = ids[attention.bool()].tolist()
+        canvas, commit = rcr_by_hand(tiny_llama, adapter, prompt, 16, 8, 4)
+        assert output.completion_ids[row].tolist() == canvas, row
+        assert output.commit_step[row].tolist() == commit, row
+    without = generate(
+        tiny_llama, **chat_prompts, generation_config=dataclasses.replace(config, running_confidence=False)
+    )
+    assert not without.remasks_committed
+    assert not torch.equal(without.completion_ids, output.completion_ids)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"), [(dict(threshold=0.9), "threshold"), (dict(stop_patience=2), "stop_patience")]
+)
+def test_running_confidence_refusals(changes, match):
+    with pytest.raises(ValueError, match=match):
+        DiffusionGenerationConfig(max_completion_length=16, block_length=8, running_confidence=True, **changes)

@@ -28,6 +28,7 @@ from trl_diffusion.trainer import (
     AGRPOTrainer,
     CJGRPOConfig,
     CJGRPOTrainer,
+    LFPOConfig,
     TraceRLConfig,
     TraceRLTrainer,
 )
@@ -678,18 +679,18 @@ def test_lookahead_advantages_match_egspo_sa(tiny_llada_dir, tmp_path):
     assert inputs["lookahead_advantages"].abs().sum() > 0
 
 
-def test_a_sampler_that_remasks_is_refused(tiny_llada_dir, tmp_path, monkeypatch):
-    trainer = make_trainer(CJGRPOConfig, CJGRPOTrainer, tiny_llada_dir, tmp_path, beta=0.0)
-    from trl_diffusion.trainer import base_trainer
-
-    real_generate = base_trainer.generate
-
-    def remasking_generate(*args, **kwargs):
-        output = real_generate(*args, **kwargs)
-        output.remasks_committed = True
-        return output
-
-    monkeypatch.setattr(base_trainer, "generate", remasking_generate)
+def test_a_sampler_that_remasks_is_refused(tiny_llada_dir, tmp_path):
+    """Running-confidence remasking puts committed tokens back: the configs refuse it, and a trainer whose sampler is
+    switched to it after construction (a subclass could) refuses the first rollout that remasked."""
+    with pytest.raises(ValueError, match="running_confidence"):
+        tiny_grpo_config(CJGRPOConfig, tmp_path, running_confidence=True)
+    with pytest.raises(ValueError, match="lfpo_states='forward'"):
+        tiny_grpo_config(LFPOConfig, tmp_path, running_confidence=True)
+    tiny_grpo_config(LFPOConfig, tmp_path, running_confidence=True, lfpo_states="forward")
+    trainer = make_trainer(
+        CJGRPOConfig, CJGRPOTrainer, tiny_llada_dir, tmp_path, beta=0.0, schedule="linear", diffusion_steps=8
+    )
+    trainer.diffusion_generation_config.running_confidence = True
     with pytest.raises(ValueError, match="never remasked"):
         trainer.train()
 

@@ -98,6 +98,14 @@ class DiffusionGenerationConfig:
             `defer_terminators`. `None` is off.
         eos_rejection_max (`float`, defaults to `1.0`):
             EOSER's `gamma_max`, the factor that `t = 1` reaches (read only with `eos_rejection_min`).
+        running_confidence (`bool`, defaults to `False`):
+            MDPO's Running-Confidence Remasking (RCR): each step ranks the current block's new proposals together
+            with its committed tokens, each at the confidence it was committed with, keeps as many as the schedule
+            has committed by then and puts the others back to the mask token, so that a token committed early with
+            low confidence can be replaced later. Committed tokens are no longer final: `commit_step` holds each
+            position's last commit and the output's `remasks_committed` says whether any was put back (the
+            trajectory trainers, whose states are rebuilt from the commit steps, refuse it). Excludes `threshold`
+            and `stop_patience`.
         record_commit_logprobs (`bool`, defaults to `False`):
             Record, for every committed position, the log-probability of its token and the entropy of the
             distribution it was drawn from at its step (`commit_logprob`, `commit_entropy` and `commit_sampled` of
@@ -199,6 +207,13 @@ class DiffusionGenerationConfig:
     eos_rejection_max: float = field(
         default=1.0,
         metadata={"help": "EOSER's gamma_max, the factor on terminator confidences at a block's last step."},
+    )
+    running_confidence: bool = field(
+        default=False,
+        metadata={
+            "help": "MDPO's Running-Confidence Remasking: rank a block's committed tokens (at their commit "
+            "confidence) with its new proposals each step and put the least confident back to the mask token."
+        },
     )
     record_commit_logprobs: bool = field(
         default=False,
@@ -308,6 +323,14 @@ class DiffusionGenerationConfig:
                     "`eos_rejection_min` and `defer_terminators` both hold terminators back, and `defer_terminators` "
                     "already commits them last: set one of them only."
                 )
+        if self.running_confidence:
+            for name, value in (("threshold", self.threshold), ("stop_patience", self.stop_patience)):
+                if value is not None:
+                    raise ValueError(
+                        f"`running_confidence` keeps the schedule's count of a block's most confident tokens each "
+                        f"step, and `{name}` decides the count otherwise: set `{name}=None`, or "
+                        "`running_confidence=False`."
+                    )
         if self.stop_patience is not None and self.stop_patience < 1:
             raise ValueError(f"`stop_patience` must be at least 1 (or None to turn it off), got {self.stop_patience}.")
         if self.generation_cache not in CACHE_MODES:
@@ -431,9 +454,9 @@ class DiffusionGenerationOutput:
             With `record_commit_logprobs`: True where the token was drawn from its step's distribution, False where
             it was filled without sampling (the EOS fill of `early_stop`, the prediction fill of `stop_patience`).
         remasks_committed (`bool`, defaults to `False`):
-            Whether the sampler ever put a committed position back to the mask token. No built-in remasking strategy
-            does, so `commit_step` (one commit per position) rebuilds every intermediate state; a trainer that
-            rebuilds its states from `commit_step` must refuse a rollout where this is True.
+            Whether the sampler ever put a committed position back to the mask token (only `running_confidence`
+            does). When False, `commit_step` (one commit per position) rebuilds every intermediate state; a trainer
+            that rebuilds its states from `commit_step` must refuse a rollout where this is True.
     """
 
     sequences: torch.LongTensor
@@ -958,6 +981,9 @@ def generate(
     stable_steps = torch.zeros(batch_size, dtype=torch.long, device=device)
     record_steps = set(config.record_steps or ())
     recorded = {}
+    # RCR: the confidence each committed position was committed with (-inf where masked).
+    commit_confidence = torch.full((batch_size, max_completion_length), -math.inf, device=device)
+    remasks_committed = False
     commit_logprob = commit_entropy = commit_sampled = None
     if config.record_commit_logprobs:
         commit_logprob = torch.zeros((batch_size, max_completion_length), dtype=torch.float32, device=device)
@@ -1061,9 +1087,26 @@ def generate(
             num_confident = (full_confidence >= config.threshold).sum(dim=1)
             num_to_commit = torch.maximum(num_to_commit, num_confident).clamp(min=1)
         num_to_commit = torch.minimum(num_to_commit, row_counts)
+        if config.running_confidence:
+            # The block's committed tokens compete with the new proposals, at the confidence they were committed with:
+            # as many as the schedule has committed by the end of this step are kept, the others go back to masks.
+            committed = in_block & ~masked & ~finished[:, None]
+            full_confidence = torch.where(committed, commit_confidence, full_confidence)
+            num_to_commit = num_to_commit + committed.sum(dim=1)
         # A stable sort breaks ties towards the lowest position, the same in a batch as alone.
         order = full_confidence.argsort(dim=1, descending=True, stable=True)
-        chosen = torch.zeros_like(committable).scatter(1, order, positions[None, :] < num_to_commit[:, None])
+        kept = torch.zeros_like(committable).scatter(1, order, positions[None, :] < num_to_commit[:, None])
+        chosen = kept & committable
+        if config.running_confidence:
+            displaced = committed & ~kept
+            remasks_committed = remasks_committed or bool(displaced.any())
+            completion[displaced] = mask_token_id
+            commit_step[displaced] = -1
+            commit_confidence = torch.where(
+                chosen, full_confidence, commit_confidence.masked_fill(displaced, -math.inf)
+            )
+            if config.record_commit_logprobs:
+                commit_logprob[displaced], commit_entropy[displaced], commit_sampled[displaced] = 0.0, 0.0, False
         completion[chosen] = proposals[chosen]
         commit_step[chosen] = step
         if config.record_commit_logprobs:
@@ -1112,6 +1155,7 @@ def generate(
         commit_logprob=commit_logprob,
         commit_entropy=commit_entropy,
         commit_sampled=commit_sampled,
+        remasks_committed=remasks_committed,
     )
 
 

@@ -29,6 +29,7 @@ SAMPLER_FIELDS = (
     "defer_terminators",
     "eos_rejection_min",
     "eos_rejection_max",
+    "running_confidence",
     "generation_cache",
 )
 
@@ -81,7 +82,8 @@ class DiffusionRLConfig(GRPOConfig):
     (`SAMPLER_FIELDS`): `max_completion_length` is the canvas length L, `temperature` the sampling temperature of
     the denoiser (TRL's default 1.0), and `block_length`, `diffusion_steps`, `remasking`, `schedule`, `cfg_scale`,
     `threshold`, `early_stop`, `defer_terminators`, `eos_rejection_min`, `eos_rejection_max` (CJ-GRPO's EOS early
-    rejection) and `generation_cache` are documented there.
+    rejection), `running_confidence` (MDPO's running-confidence remasking) and `generation_cache` are documented
+    there.
     `to_generation_config()` returns the sampler's config.
 
     Parameters of the rollouts:
@@ -120,6 +122,7 @@ class DiffusionRLConfig(GRPOConfig):
     defer_terminators: bool = sampler_field("defer_terminators")
     eos_rejection_min: float | None = sampler_field("eos_rejection_min")
     eos_rejection_max: float = sampler_field("eos_rejection_max")
+    running_confidence: bool = sampler_field("running_confidence")
     generation_cache: str = sampler_field(
         "generation_cache", note="Off in training until its effect on learning is measured (docs/benchmarks.md)."
     )

@@ -21,9 +21,9 @@ class JustGRPOConfig(DiffusionRLConfig):
 
     The rollout sampler is forced to autoregressive decoding: `block_length=1` (refused otherwise) and
     `diffusion_steps=None`, which the sampler resolves to `max_completion_length` (one step per position; the only
-    value it accepts with one position per block). `threshold`, `remasking`, `schedule`, `defer_terminators` and the
-    EOS early rejection (`eos_rejection_min`, `eos_rejection_max`) are refused because with a single committable
-    position per step they are inert; `cfg_scale` because the rollout would then sample from the guided
+    value it accepts with one position per block). `threshold`, `remasking`, `schedule`, `defer_terminators`, the
+    EOS early rejection (`eos_rejection_min`, `eos_rejection_max`) and `running_confidence` are refused because with a
+    single committable position per step they are inert; `cfg_scale` because the rollout would then sample from the guided
     distribution, not from the policy whose likelihood is trained (the ratio would not be a token ratio);
     `generation_cache` because with one position per block every step is the first step of its block, which runs the
     whole sequence and refills the cache, so the cache is written and never read (no faster; an exact left-to-right
@@ -77,6 +77,7 @@ class JustGRPOConfig(DiffusionRLConfig):
         "defer_terminators": ((False,), _ONE_POSITION_PER_STEP),
         "eos_rejection_min": ((None,), _ONE_POSITION_PER_STEP),
         "eos_rejection_max": ((1.0,), _ONE_POSITION_PER_STEP),
+        "running_confidence": ((False,), _ONE_POSITION_PER_STEP),
         "cfg_scale": (
             (0.0,),
             "guided rollouts are sampled from another distribution than the policy whose exact likelihood is "

@@ -137,6 +137,12 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         for name, choices in (("lfpo_states", LFPO_STATE_SOURCES), ("lfpo_variant", LFPO_VARIANTS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
+        if self.running_confidence and self.lfpo_states == "trajectory":
+            raise ValueError(
+                "`lfpo_states='trajectory'` rebuilds the sampler's intermediate canvases from the commit steps, which "
+                "`running_confidence` (tokens put back to the mask) invalidates: use `lfpo_states='forward'`, or "
+                "`running_confidence=False`."
+            )
         if self.ema_alpha is not None and not 0.0 <= self.ema_alpha < 1.0:
             raise ValueError(f"`ema_alpha` must lie in [0, 1) (0 is a hard copy), got {self.ema_alpha}.")
         if not 0.0 <= self.ema_alpha_max < 1.0 or self.ema_alpha_rate < 0:

@@ -155,6 +155,11 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             "the trajectory states are scored by the policy alone, and guided rollouts were drawn from another "
             "distribution",
         ),
+        "running_confidence": (
+            (False,),
+            "the trajectory states are rebuilt from the commit steps, exactly only if committed tokens are never put "
+            "back to the mask token, which running-confidence remasking does",
+        ),
     }
 
     def __post_init__(self):
