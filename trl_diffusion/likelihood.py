@@ -31,11 +31,14 @@ def _scored_logprobs(
     targets: torch.LongTensor,
     scored: torch.BoolTensor,
     return_entropy: bool = False,
+    temperature: float = 1.0,
+    excluded_token: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One forward pass over the canvas `prompt_ids + noisy_completion` (attention on the real prompt tokens and all
     L completion positions; for a block-causal model, the composite forward in which each noisy block sees the clean
     `targets` before it); float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere (and, with
-    `return_entropy`, the entropy of each scored prediction, 0 elsewhere)."""
+    `return_entropy`, the entropy of each scored prediction, 0 elsewhere). The logits are divided by `temperature`
+    and `excluded_token` (the sampler's distribution leaves out the mask token) is left out of the softmax."""
     if adapter.block_causal:
         logits = adapter.composite_logits(model, prompt_ids, prompt_mask, noisy_completion, targets)
     else:
@@ -44,6 +47,12 @@ def _scored_logprobs(
         logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
     # Gather the scored rows before normalising: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
     scored_logits = logits[scored].float()
+    del logits
+    if temperature != 1.0:
+        scored_logits = scored_logits / temperature
+    if excluded_token is not None:
+        excluded = torch.tensor([excluded_token], device=scored_logits.device)
+        scored_logits = scored_logits.index_fill(-1, excluded, -math.inf)
     normaliser = scored_logits.logsumexp(-1)
     logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - normaliser
     # With nothing scored the output is still attached to the graph (through the empty gather), as DDP requires.
@@ -51,7 +60,7 @@ def _scored_logprobs(
     if not return_entropy:
         return placeholder.masked_scatter(scored, logprobs)
     log_probs_all = scored_logits - normaliser.unsqueeze(-1)
-    entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
+    entropy = -(log_probs_all.exp() * log_probs_all.nan_to_num(neginf=0.0)).sum(-1)
     return placeholder.masked_scatter(scored, logprobs), placeholder.masked_scatter(scored, entropy.detach())
 
 

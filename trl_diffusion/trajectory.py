@@ -18,11 +18,11 @@ them), or the K of highest mean entropy (EGSPO; deterministic and biased).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from .likelihood import _scored_logprobs
 from .models.adapter import DiffusionAdapter
 from .seeding import TRAJECTORY_TRANSITIONS, keyed_generator
 
@@ -170,10 +170,11 @@ def scoring_units(
         transitions = selected[row].nonzero().squeeze(1)
         if len(transitions) == 0:
             continue
-        row_targets = plan.transition_index[row][None, :] == transitions[:, None]
-        row_masked = commit_step[row][None, :] >= plan.state_step[row, transitions][:, None]
+        row_index = torch.full_like(transitions, row)
+        row_targets = plan.targets(row_index, transitions)
+        row_masked = plan.state_masks(commit_step, row_index, transitions)
         if blocks is None:
-            rows.append(torch.full_like(transitions, row))
+            rows.append(row_index)
             masked.append(row_masked)
             targets.append(row_targets)
             continue
@@ -346,19 +347,14 @@ def state_logprobs(
     if (targets & ~state_masks).any():
         raise ValueError("Every target of a state must be masked in it.")
     noisy = completion_ids.masked_fill(state_masks, adapter.mask_token_id)
-    if adapter.block_causal:
-        logits = adapter.composite_logits(model, prompt_ids, prompt_mask, noisy, completion_ids)
-    else:
-        input_ids = torch.cat([prompt_ids, noisy], dim=1)
-        attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy, dtype=prompt_mask.dtype)], dim=1)
-        logits = adapter.logits(model, input_ids, attention_mask, num_logits=completion_ids.shape[1])
-    # Gather the targets before normalising: a float32 log-softmax over (states, L, vocab) would dwarf the rest.
-    target_logits = logits[targets].float() / temperature
-    del logits
-    mask_column = torch.tensor([adapter.mask_token_id], device=target_logits.device)
-    target_logits = target_logits.index_fill(-1, mask_column, -math.inf)
-    logprobs = target_logits.gather(-1, completion_ids[targets].unsqueeze(-1)).squeeze(-1)
-    logprobs = logprobs - target_logits.logsumexp(-1)
-    # With no target the output is still attached to the graph (through the empty gather), as DDP requires.
-    placeholder = torch.zeros(targets.shape, dtype=torch.float32, device=logprobs.device)
-    return placeholder.masked_scatter(targets, logprobs)
+    return _scored_logprobs(
+        model,
+        adapter,
+        prompt_ids,
+        prompt_mask,
+        noisy,
+        completion_ids,
+        targets,
+        temperature=temperature,
+        excluded_token=adapter.mask_token_id,
+    )
