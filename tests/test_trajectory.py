@@ -35,6 +35,7 @@ from trl_diffusion.trainer import (
 from trl_diffusion.trajectory import (
     TransitionSelection,
     select_transitions,
+    state_logprobs,
     trajectory_plan,
     transition_entropies,
 )
@@ -128,6 +129,28 @@ def test_block_models_merge_steps_within_their_blocks():
     per_block = trajectory_plan(commit_step, scored, grouping=2, blocks=blocks)
     assert per_block.state_step.tolist() == [[0, 2, 3, 5]]
     assert per_block.transition_index.tolist() == [[0, 0, 0, 1, 2, 2, 3, 3]]
+
+
+def test_state_logprobs_are_the_samplers_distribution_without_the_mask_token():
+    """On crafted logits with a large mask-token logit: `log softmax(logits / T)` over the vocabulary without the mask
+    token (the sampler never proposes it), at the targets only."""
+    from test_generation import MASK, STUB_ADAPTER, VOCAB, CraftedLogitsModel
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, VOCAB, generator=generator)
+    logits[:, MASK] = 6.0
+    model = CraftedLogitsModel({5: logits})
+    completion = torch.tensor([[4, 6, 7, 9]])
+    masked = torch.tensor([[False, True, True, True]])
+    targets = torch.tensor([[False, True, False, True]])
+    scored = state_logprobs(
+        model, STUB_ADAPTER, torch.tensor([[5]]), torch.ones(1, 1), completion, masked, targets, temperature=0.7
+    )
+    expected = (logits / 0.7).index_fill(-1, torch.tensor([MASK]), -math.inf).log_softmax(-1)
+    torch.testing.assert_close(scored[0, [1, 3]], expected[[1, 3], completion[0, [1, 3]]])
+    assert (scored[~targets] == 0).all()
+    noisy = model.calls[0][0][0, 1:]
+    assert noisy.tolist() == [4, MASK, MASK, MASK]
 
 
 # ---------------------------------------------------------------------------------------------- trainers
