@@ -106,9 +106,7 @@ class AGRPOTrainer(TrajectoryRLTrainer):
             completions = texts
         # TRL's reward computation (gathered over processes), without the rollout bookkeeping of the override.
         rewards_per_func = GRPOTrainer._calculate_rewards(self, examples, prompts, completions, completion_ids)
-        weights = self.reward_weights.to(rewards_per_func.device)
-        lookahead = (rewards_per_func * weights[None, :]).nansum(dim=1)
-        lookahead = lookahead.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+        lookahead = self.weighted_rewards(rewards_per_func)
         final = self._rollout_rewards
         group_size = self.num_generations
         valid = self.accelerator.gather(slot_valid)

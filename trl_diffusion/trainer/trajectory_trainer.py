@@ -99,12 +99,15 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # Read by `_score_rollouts` of the same rollout batch (TRL's order leaves the batch no room for them): the
-        # weighted reward of every completion gathered over processes, NaN where unscored.
+        # Read by `_score_rollouts` of the same rollout batch (TRL's order leaves the batch no room for them).
+        self._rollout_rewards = self.weighted_rewards(rewards_per_func)
+        return rewards_per_func
+
+    def weighted_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """TRL's weighted sum of the reward functions per completion, shape `(rows,)`, NaN where none scored it."""
         weights = self.reward_weights.to(rewards_per_func.device)
         rewards = (rewards_per_func * weights[None, :]).nansum(dim=1)
-        self._rollout_rewards = rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
-        return rewards_per_func
+        return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
 
     def kept_by_pass_rate(self, rewards: torch.Tensor) -> torch.BoolTensor:
         """Per completion of the gathered batch, whether its prompt's pass rate (completions whose weighted reward is
