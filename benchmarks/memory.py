@@ -208,6 +208,25 @@ def optimiser_state_bytes(optimizer) -> int:
     )
 
 
+def measured_steps(trainer, batch: dict, device: str, steps: int):
+    """`steps` optimiser steps of `trainer` on the fixed `batch` as `Trainer.train` runs them (`training_step`,
+    clipping, the optimiser's step, `zero_grad`), checkpointing as `Trainer.train` enables it. Returns the optimiser,
+    the [`PeakMemory`] and `SavedTensorsMeter` of the steps, and each step's seconds (`clock`)."""
+    enable_checkpointing_as_train(trainer)
+    trainer._prepare_inputs = lambda inputs: inputs  # the fixed batch, as given: no rollout
+    optimizer = trainer.create_optimizer()  # the optimiser `train()` would build; its state appears at its first step
+    seconds = []
+    with PeakMemory(device) as process, SavedTensorsMeter() as saved:
+        for _ in range(steps):
+            start = clock(device)
+            trainer.training_step(trainer.model, batch)
+            trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
+            optimizer.step()
+            trainer.model.zero_grad()
+            seconds.append(clock(device) - start)
+    return optimizer, process, saved, seconds
+
+
 def measure_point(job: dict) -> dict:
     """Worker: `STEPS` optimiser steps of `job["trainer"]` at `job["n"]` on the saved batch (each: `training_step`,
     clipping, the optimiser's step, `zero_grad`), checkpointing as `Trainer.train` enables it; their peak memory."""
@@ -220,25 +239,14 @@ def measure_point(job: dict) -> dict:
     if name == "lfpo":
         overrides["lfpo_group_size"] = rollout.rows
     trainer = make_trainer(name, Path(job["model_dir"]), rollout, device, Path(job["output_dir"]), **overrides)
-    enable_checkpointing_as_train(trainer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    trainer._prepare_inputs = lambda inputs: inputs  # the fixed batch, as given: no rollout
-    optimizer = trainer.create_optimizer()  # the optimiser `train()` would build; its state appears at its first step
     batch = torch.load(job["batch_path"], map_location=trainer.accelerator.device, weights_only=False)
     with torch.no_grad():
         batch.update(trainer._score_rollouts(batch, "train"))  # LFPO's state masks; nothing for the others
 
-    seconds = []
     try:
-        with PeakMemory(device) as process, SavedTensorsMeter() as saved:
-            for _ in range(STEPS):
-                start = clock(device)
-                trainer.training_step(trainer.model, batch)
-                trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
-                optimizer.step()
-                trainer.model.zero_grad()
-                seconds.append(clock(device) - start)
+        optimizer, process, saved, seconds = measured_steps(trainer, batch, device, STEPS)
     except torch.cuda.OutOfMemoryError:
         return {"trainer": name, "n": n, "out_of_memory": True}
     if saved.live_bytes != 0:

@@ -38,7 +38,6 @@ from _common import (
     MODEL_SIZES,
     RolloutSize,
     benchmark_parser,
-    clock,
     format_table,
     fresh_process_context,
     machine_info,
@@ -51,9 +50,7 @@ from _common import (
     select_preset,
     set_threads,
 )
-from memory import PeakMemory, enable_checkpointing_as_train
-
-from trl_diffusion.utils import SavedTensorsMeter
+from memory import measured_steps
 
 TRAINERS = ("cj_grpo", "trace_rl", "agrpo")
 LABELS = {"cj_grpo": "CJ-GRPO (every step)", "trace_rl": "TraceRL (s = 8)", "agrpo": "AGRPO (24 Monte Carlo steps)"}
@@ -97,19 +94,8 @@ def measure_point(job: dict) -> dict:
         [(-1.0) ** row for row in range(rollout.rows)], device=trainer.accelerator.device
     )
     batch["inner_iteration"] = 0
-    enable_checkpointing_as_train(trainer)
-    trainer._prepare_inputs = lambda inputs: inputs  # the fixed batch, as given: no further rollout
-    optimizer = trainer.create_optimizer()
     plan = trainer.stored_plan(batch)
-    seconds = []
-    with PeakMemory(device) as process, SavedTensorsMeter() as saved:
-        for _ in range(STEPS):
-            start = clock(device)
-            trainer.training_step(trainer.model, batch)
-            trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
-            optimizer.step()
-            trainer.model.zero_grad()
-            seconds.append(clock(device) - start)
+    _, process, saved, seconds = measured_steps(trainer, batch, device, STEPS)
     metrics = trainer._metrics["train"]
     return {
         "trainer": name,
