@@ -28,16 +28,14 @@ def tiny_llama_adapter(tiny_llama, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def context_llama(tiny_tokenizer):
-    """A tiny bidirectional Llama trained until context matters (see `helpers.train_context_model`), in eval mode,
-    and its prompt ids: `(model, prompt_ids)`. Trained once per session; tests must not change its weights."""
-    from helpers import train_context_model
+    """The tiny bidirectional Llama trained until context matters, shipped as `tests/fixtures/context_llama/` (made by
+    `tests/fixtures/make_context_llama.py`, so the same weights on every CPU), in eval mode, and its prompt ids:
+    `(model, prompt_ids)`. Tests must not change its weights."""
+    from fixtures.make_context_llama import FIXTURE_DIR, context_prompt
+    from transformers import LlamaForCausalLM
 
-    # Session fixtures are set up before the per-test thread setting below, and on shared cores extra threads make
-    # this loop an order of magnitude slower.
-    torch.set_num_threads(1)
-    model = build_tiny_bidirectional_llama(tiny_tokenizer, seed=1)
-    prompt_ids = train_context_model(model, tiny_tokenizer)
-    return model.eval().requires_grad_(False), prompt_ids
+    model = LlamaForCausalLM.from_pretrained(FIXTURE_DIR, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False), context_prompt(tiny_tokenizer)
 
 
 @pytest.fixture(autouse=True)

@@ -252,36 +252,6 @@ def cli_args(values: dict) -> list[str]:
     ]
 
 
-def train_context_model(model, tokenizer, *, steps: int = 250, batch_size: int = 48, seed: int = 0):
-    """Trains `model` in place, briefly, with the masked-diffusion loss on completions "ababab" (a, b random digits)
-    after the prompt "ab": a masked digit is then predictable exactly when a position of its parity is visible, so
-    its log-prob depends on the mask by a few nats (a random tiny model's barely moves). Returns the prompt ids
-    `(1, prompt_length)`; the model is left in eval mode."""
-    from trl_diffusion.likelihood import masked_token_logprobs
-    from trl_diffusion.models import DiffusionAdapter
-
-    adapter = DiffusionAdapter.from_model(model, tokenizer)
-    messages = [{"role": "user", "content": "ab"}]
-    prompt = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]])
-    prompt_ids, prompt_mask = prompt.expand(batch_size, -1), torch.ones(batch_size, prompt.shape[1], dtype=torch.long)
-    digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        pair = digits[torch.randint(10, (batch_size, 2), generator=generator)]
-        completion_ids = pair.repeat(1, 3)
-        t = 0.1 + 0.9 * torch.rand(batch_size, 1, generator=generator)
-        masked = torch.rand(completion_ids.shape, generator=generator) < t
-        masked[:, 0] |= ~masked.any(dim=1)
-        logprobs = masked_token_logprobs(model, adapter, prompt_ids, prompt_mask, completion_ids, masked)
-        loss = -(logprobs.sum(dim=1) / t.squeeze(1)).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return prompt
-
-
 DDP_WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
