@@ -447,6 +447,33 @@ def test_ema_old_policy_follows_the_schedule_once_per_round(peft, schedule, tiny
             assert policy is trainer.old_model
 
 
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_ema_leaves_an_unmoved_weight_bit_identical(peft, tiny_llada_dir, tmp_path):
+    """The EMA is a lerp: where theta = theta_old (a fresh adapter's `lora_A`, all the weights the optimiser has not
+    moved) theta_old stays bit-identical on every CPU, and where they differ it moves by (1 - a) of the gap. Written as
+    `a * old + (1 - a) * theta`, an unmoved weight can change in its last bit, depending on the CPU's kernels."""
+    trainer = make_trainer(tiny_llada_dir, make_args(tmp_path), peft=peft)
+    moved = "lora_B" if peft else "blocks.1.ff_out"
+    with torch.no_grad():
+        for name, parameter in policy_parameters(trainer).items():
+            assert torch.equal(parameter, old_parameters(trainer)[name])
+        for name, parameter in trainer.accelerator.unwrap_model(trainer.model).named_parameters():
+            if moved in name and ".old." not in name:
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(len(name))))
+    theta, before = policy_parameters(trainer), old_parameters(trainer)
+    alpha = 0.001
+    trainer._copy_into_old_policy(alpha)
+    after = old_parameters(trainer)
+    assert any(moved in name for name in theta)
+    for name in theta:
+        if moved in name:
+            expected = alpha * before[name] + (1 - alpha) * theta[name]
+            torch.testing.assert_close(after[name], expected, rtol=1e-6, atol=1e-7)
+            assert not torch.equal(after[name], before[name])
+        else:
+            assert torch.equal(after[name], before[name]), name
+
+
 def test_rollouts_come_from_the_old_policy_and_alpha_zero_is_a_hard_copy(tiny_llada_dir, tmp_path):
     """Same seed, a hard copy (ema_alpha = 0) against a fixed alpha = 0.9: the first round (theta_old = theta) is
     identical, the second differs, because the old policies differ and they generate the rollouts."""

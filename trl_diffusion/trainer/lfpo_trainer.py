@@ -146,13 +146,15 @@ class LFPOTrainer(DiffusionRLTrainer):
 
     @torch.no_grad()
     def _copy_into_old_policy(self, alpha: float) -> None:
-        """`theta_old <- alpha * theta_old + (1 - alpha) * theta` (alpha 0 copies)."""
+        """`theta_old <- alpha * theta_old + (1 - alpha) * theta` (alpha 0 copies), as `lerp`: a weight the policy
+        has not moved (LoRA's `lora_A` while `lora_B` is still zero) stays bit-identical, where `alpha * x +
+        (1 - alpha) * x` can differ from x in its last bit, by an amount that depends on the CPU's kernels."""
         if self.old_model is None:
             pairs = self._adapter_pairs()
         else:
             pairs = zip(self.old_model.parameters(), self.accelerator.unwrap_model(self.model).parameters())
         for old, current in pairs:
-            old.mul_(alpha).add_(current.detach().to(old.dtype), alpha=1.0 - alpha)
+            old.lerp_(current.detach().to(old.dtype), 1.0 - alpha)
             old.requires_grad_(False)
 
     def ema_alpha(self) -> float:
