@@ -8,8 +8,11 @@ by conftest) and on one torch thread. An HTML comment on the line right before a
 - `<!-- docs-test: continue -->`: the block runs in the namespace the previous block of the same page left (a page
   that builds a model in one block and uses it in the next). The chain is one test, named after its first block.
 - `<!-- docs-test: tiny-model -->`: the Hub ids of LLaDA and Dream checkpoints are replaced by local tiny checkpoints
-  of the same architectures, and `"cuda"` by `"cpu"`, so a block written for the 8B models runs here as written
-  otherwise. It combines with `continue` (`<!-- docs-test: continue tiny-model -->`).
+  of the same architectures, `"cuda"` by `"cpu"` and `torch.bfloat16` by `torch.float32`, so a block written for the
+  8B models on a GPU runs here as written otherwise. It combines with `continue` (`<!-- docs-test: continue
+  tiny-model -->`). float32 because PyTorch's CPU kernels for bfloat16 attention are chosen by the CPU's features
+  and fail under `ATEN_CPU_CAPABILITY=default` on a CPU with AMX ("pack_vnni2 is only supported when avx512 is
+  supported"); the docs test checks the package's code, on every CPU.
 - `<!-- docs-test: substitute="OLD=>NEW" -->` (repeatable): the test replaces the text OLD of the block by NEW, to run
   a long block (a benchmark's five timing rounds, say) at a size a test can afford; the block must contain OLD.
 
@@ -139,7 +142,7 @@ def test_doc_block_runs(chain, tmp_path, monkeypatch, request):
             checkpoints = request.getfixturevalue("tiny_hub_checkpoints")
             for hub_id, directory in checkpoints.items():
                 code = code.replace(f'"{hub_id}"', repr(directory))
-            code = code.replace('"cuda"', '"cpu"')
+            code = code.replace('"cuda"', '"cpu"').replace("torch.bfloat16", "torch.float32")
         exec(compile(code, block.name, "exec"), namespace)  # noqa: S102 - the documented example itself
     assert os.environ["HF_HUB_OFFLINE"] == "1"
 
