@@ -11,13 +11,16 @@ import math
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from trl_diffusion.likelihood import elbo_term, masked_token_logprobs
+from trl_diffusion.likelihood import elbo_term
 from trl_diffusion.masking import sample_masks
 from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer import ESPOConfig, ESPOTrainer
 
+from fixtures.make_alphabet_llada import FIXTURE_DIR as ALPHABET_DIR
+from fixtures.make_alphabet_llada import LENGTH as ALPHABET_LENGTH
+from fixtures.make_alphabet_llada import alphabet_prompt, letter_ids
 from helpers import (
     TINY_ROLLOUTS,
     assert_same_gradients,
@@ -298,46 +301,6 @@ def test_leave_one_out_advantages(tiny_llada_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------- coupled estimator
 
 
-def sharpened_llada(tokenizer, steps=200, length=16, seed=0):
-    """The tiny LLaDA trained briefly (masked-diffusion loss) on noisy alphabet runs: each letter follows the previous
-    one with probability 0.8, else a random letter. Context then matters the way it does in language: the more of
-    the canvas is visible, the better a masked token is predicted (per-token log p from about -0.2 with nearly all
-    of the canvas visible to about -3.3 with all of it masked)."""
-    from trl_diffusion.models import build_tiny_llada
-
-    model = build_tiny_llada(tokenizer, seed=seed).train()
-    adapter = DiffusionAdapter.from_model(model, tokenizer)
-    letters = torch.tensor(tokenizer.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz")))
-    prompt = alphabet_prompt(tokenizer)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batch = 32
-    for _ in range(steps):
-        index = torch.zeros(batch, length, dtype=torch.long)
-        index[:, 0] = torch.randint(0, 26, (batch,), generator=generator)
-        for i in range(1, length):
-            follow = torch.rand(batch, generator=generator) < 0.8
-            jump = torch.randint(0, 26, (batch,), generator=generator)
-            index[:, i] = torch.where(follow, (index[:, i - 1] + 1) % 26, jump)
-        t = torch.rand(batch, 1, generator=generator).clamp(min=0.05)
-        masked = torch.rand(batch, length, generator=generator) < t
-        logps = masked_token_logprobs(
-            model, adapter, prompt[0].expand(batch, -1), prompt[1].expand(batch, -1), letters[index], masked
-        )
-        loss = -(logps.sum(dim=1) / (t.squeeze(1) * length)).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval(), letters
-
-
-def alphabet_prompt(tokenizer):
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "letters"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    return encoded["input_ids"], encoded["attention_mask"]
-
-
 def estimator_draws(model, adapter, prompt, completion, sampler, num_mc_samples, num_seeds):
     """The ELBO estimate B_hat of one completion under `num_seeds` independent mask seeds (one row per seed)."""
     length = completion.shape[1]
@@ -351,7 +314,8 @@ def estimator_draws(model, adapter, prompt, completion, sampler, num_mc_samples,
 
 def test_coupled_estimator_has_lower_variance_at_equal_forward_passes(tiny_llada, tiny_tokenizer):
     """Coupled with n_t pairs (2 n_t forwards) against stratified with 2 n_t samples (2 n_t forwards), 512 mask
-    seeds, on a fixed 16-token completion of a model where context matters (`sharpened_llada`).
+    seeds, on a fixed 16-token completion of a model where context matters (the tiny LLaDA trained on noisy alphabet
+    runs, shipped as `tests/fixtures/alphabet_llada/`: the same weights on every CPU).
 
     On the random tiny LLaDA (printed, not asserted) the stratified estimator wins by far: there log p(y_i | context)
     hardly depends on the context (about -4.4 nats whatever is masked), so every stratified term is about n * a and
@@ -363,7 +327,8 @@ def test_coupled_estimator_has_lower_variance_at_equal_forward_passes(tiny_llada
     num_seeds, length = 512, 16
     adapter = DiffusionAdapter.from_model(tiny_llada, tiny_tokenizer)
     prompt = alphabet_prompt(tiny_tokenizer)
-    sharp, letters = sharpened_llada(tiny_tokenizer, length=length)
+    sharp, letters = AutoModelForCausalLM.from_pretrained(ALPHABET_DIR).eval(), letter_ids(tiny_tokenizer)
+    assert length == ALPHABET_LENGTH
     completion = letters[(torch.arange(length) + 1) % 26][None]  # "bcd...q": a typical, high-likelihood run
 
     for name, model, pairs in (("random tiny LLaDA", tiny_llada, (1, 2)), ("sharpened tiny LLaDA", sharp, (1, 2, 4))):
