@@ -44,6 +44,8 @@ def test_demo_runs_end_to_end_and_its_model_reloads(tmp_path, capsys, monkeypatc
     summary = main(["--output_dir", str(tmp_path), *TOY, "--sft_steps", "120", "--min_improvement", "-100"])
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     sft_right = hand_count(tmp_path / "sft-model")
+    with capsys.disabled():
+        print(f"\n[demo] {sft_right} of {NUM_EVAL_EXAMPLES} right after SFT")
     assert 0 < sft_right < NUM_EVAL_EXAMPLES
     assert summary["accuracy_after_sft"] == sft_right / NUM_EVAL_EXAMPLES
     assert summary["accuracy_after_bgpo"] == hand_count(tmp_path / "model") / NUM_EVAL_EXAMPLES
