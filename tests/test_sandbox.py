@@ -6,12 +6,15 @@ leave this process (the trainer) alive with bounded memory. Correct MBPP- and Hu
 The whole batch is judged in one `code_reward` call, in parallel, as a trainer would.
 """
 
+import errno
 import importlib
 import json
 import logging
 import os
+import platform
 import secrets
 import socket
+import struct
 import sys
 import sysconfig
 import threading
@@ -21,9 +24,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trl_diffusion.rewards import code_reward, math_reward, run_tests, workers
+from trl_diffusion.rewards import code_reward, code_rewards, code_solved, math_reward, run_tests, workers
 from trl_diffusion.rewards import sandbox as sandbox_module
-from trl_diffusion.rewards.sandbox import SandboxUnavailableError, check_sandbox
+from trl_diffusion.rewards import seccomp as seccomp_module
+from trl_diffusion.rewards._sandbox_runner import encode
+from trl_diffusion.rewards.sandbox import SandboxLimits, SandboxUnavailableError, check_sandbox, open_sandbox
 from trl_diffusion.tasks.hub import humaneval_row, mbpp_row
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux namespaces")
@@ -649,3 +654,324 @@ def test_benchmark_script_smoke(tmp_path):
     saved = json.loads((tmp_path / "code_reward.json").read_text())
     assert saved["points"][0]["completions_per_second"] > 0 and saved["sandbox_startup_ms_median"] > 0
     assert payload["table"].startswith("|")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The judge: a candidate's exceptions and return values cannot steer a test
+
+# Tests that call the candidate inside an iterator protocol: a `StopIteration` re-raised there would end the iteration
+# early (and `all([])` is True), so each passes vacuously if the judge lets a candidate's exception through.
+ITERATOR_SHAPES = {
+    "all_map": "assert all(map(lambda n: is_even(n) == (n % 2 == 0), range(10)))",
+    "not_any_map": "assert not any(map(lambda n: is_even(n) != (n % 2 == 0), range(10)))",
+    "for_over_zip_map": "for n, even in zip(range(10), map(is_even, range(10))):\n    assert even == (n % 2 == 0)",
+    "list_filter": "assert list(filter(lambda n: is_even(n) != (n % 2 == 0), range(10))) == []",
+    "next_with_default": "assert next(filter(lambda n: is_even(n) != (n % 2 == 0), range(10)), None) is None",
+    "sum_map": "assert sum(map(lambda n: is_even(n) != (n % 2 == 0), range(10))) == 0",
+    "set_of_map": "assert set(map(lambda n: is_even(n) == (n % 2 == 0), range(10))) <= {True}",
+    "comprehension_over_map": "assert [n for n, e in zip(range(10), map(is_even, range(10))) if e != (n % 2 == 0)] == []",
+    "min_with_default": "assert min(map(lambda n: is_even(n) == (n % 2 == 0), range(10)), default=True)",
+    "iter_with_sentinel": "calls = iter(range(10))\nassert all(iter(lambda: is_even(n := next(calls)) == (n % 2 == 0), None))",
+    "generator_expression": "assert all(is_even(n) == (n % 2 == 0) for n in range(10))",
+    "sorted_key": "assert sorted(range(6), key=lambda n: not is_even(n)) == [0, 2, 4, 1, 3, 5]",
+    "except_exception": "try:\n    assert is_even(3) is False and is_even(4) is True\nexcept Exception:\n    pass",
+    "bare_except": "try:\n    assert is_even(3) is False and is_even(4) is True\nexcept:\n    pass",
+}
+HONEST_IS_EVEN = "def is_even(n):\n    return n % 2 == 0\n"
+# Wrong programs whose `is_even` raises or returns something meant to steer the test.
+CHEATING_IS_EVEN = {
+    "stop_iteration": "def is_even(n):\n    raise StopIteration\n",
+    "stop_async_iteration": "def is_even(n):\n    raise StopAsyncIteration\n",
+    "generator_exit": "def is_even(n):\n    raise GeneratorExit\n",
+    "system_exit": "def is_even(n):\n    raise SystemExit(0)\n",
+    "keyboard_interrupt": "def is_even(n):\n    raise KeyboardInterrupt\n",
+    "value_error": "def is_even(n):\n    raise ValueError('expected')\n",
+    "own_class_named_stop_iteration": (
+        "class StopIteration(Exception):\n"
+        "    def __str__(self):\n"
+        "        return 'True'\n"
+        "def is_even(n):\n"
+        "    raise StopIteration\n"
+    ),
+    "stop_iteration_subclass_with_odd_dunders": (
+        "class Odd(StopIteration):\n"
+        "    __eq__ = lambda self, other: True\n"
+        "    __bool__ = lambda self: True\n"
+        "    __hash__ = lambda self: 0\n"
+        "    __str__ = __repr__ = lambda self: 'True'\n"
+        "def is_even(n):\n"
+        "    raise Odd\n"
+    ),
+    "metaclass_forging_the_type_name": (
+        "class Meta(type):\n"
+        "    __name__ = property(lambda cls: 'StopIteration')\n"
+        "class Forged(Exception, metaclass=Meta):\n"
+        "    pass\n"
+        "def is_even(n):\n"
+        "    raise Forged\n"
+    ),
+    "raise_from_del": (
+        "class Bomb:\n    def __del__(self):\n        raise StopIteration\ndef is_even(n):\n    return Bomb()\n"
+    ),
+    "always_equal_return_value": (
+        "class Anything:\n"
+        "    __eq__ = lambda self, other: True\n"
+        "    __ne__ = lambda self, other: False\n"
+        "    __hash__ = lambda self: 0\n"
+        "def is_even(n):\n"
+        "    return Anything()\n"
+    ),
+    "bool_raising_stop_iteration": (
+        "class Falsy:\n"
+        "    def __bool__(self):\n"
+        "        raise StopIteration\n"
+        "    __eq__ = __ne__ = lambda self, other: self\n"
+        "def is_even(n):\n"
+        "    return Falsy()\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def iterator_batch():
+    """In one `code_reward` call: each cheating program on all the shapes (one sandbox each: a failed call does not
+    end it, so 0.0 means every shape failed), and the honest program on each shape alone."""
+    shapes = list(ITERATOR_SHAPES.values())
+    completions = [answer(program) for program in CHEATING_IS_EVEN.values()] + [answer(HONEST_IS_EVEN)] * len(shapes)
+    rewards = code_reward(
+        completions, tests=[shapes] * len(CHEATING_IS_EVEN) + [[shape] for shape in shapes], max_workers=2
+    )
+    return {
+        "cheating": dict(zip(CHEATING_IS_EVEN, rewards)),
+        "honest": dict(zip(ITERATOR_SHAPES, rewards[len(CHEATING_IS_EVEN) :])),
+    }
+
+
+def test_at_least_8_iterator_protocol_shapes_and_every_exception_kind():
+    assert len(ITERATOR_SHAPES) >= 8 and len(CHEATING_IS_EVEN) >= 10
+
+
+@pytest.mark.parametrize("shape", list(ITERATOR_SHAPES))
+def test_candidate_exceptions_and_return_values_cannot_fake_a_pass(iterator_batch, shape):
+    assert iterator_batch["honest"][shape] == 1.0  # the shape can pass
+    assert iterator_batch["cheating"] == dict.fromkeys(CHEATING_IS_EVEN, 0.0)  # no cheating program passes any shape
+
+
+def test_a_test_that_catches_the_candidates_exception_still_fails():
+    """Even a test written to expect an exception fails: a candidate call that raises fails its test."""
+    program = "def check(n):\n    if n < 0:\n        raise ValueError\n    return n\n"
+    tests = ["assert check(1) == 1", "try:\n    check(-1)\nexcept ValueError:\n    pass"]
+    assert run_tests(program, tests).passed == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The seccomp filter
+
+# x86-64 numbers (asm/unistd_64.h), written out here so that a wrong number in the filter's table fails a test.
+DENIED_X86_64 = {
+    "add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425, "io_uring_enter": 426,
+    "io_uring_register": 427, "userfaultfd": 323, "perf_event_open": 298, "ptrace": 101, "bpf": 321, "unshare": 272,
+    "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "kexec_load": 246, "kexec_file_load": 320,
+    "init_module": 175, "finit_module": 313, "delete_module": 176, "process_vm_readv": 310, "process_vm_writev": 311,
+    "pidfd_getfd": 438, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "mount_setattr": 442,
+}  # fmt: skip
+X32_SYSCALL_BIT = 0x40000000
+GETPID = 39
+SYSCALL_PROBE = (
+    "import ctypes, errno\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "def call(number, *args):\n"
+    "    ctypes.set_errno(0)\n"
+    "    args = [ctypes.c_char_p(arg) if isinstance(arg, bytes) else ctypes.c_long(arg) for arg in args]\n"
+    "    result = libc.syscall(ctypes.c_long(number), *args, *[ctypes.c_long(0)] * (6 - len(args)))\n"
+    "    return errno.errorcode.get(ctypes.get_errno(), 'ERROR') if result == -1 else 'OK'\n"
+    "def calls(numbers):\n"
+    "    # add_key with valid arguments: it succeeds unfiltered, so only the filter can refuse it\n"
+    "    return {number: call(number, b'user', b'trl_sbx_probe', b'data', 4, -4) if number == 248 else call(number)\n"
+    "            for number in numbers}\n"
+    "def seccomp():\n"
+    "    status = dict(line.split(':\\t', 1) for line in open('/proc/self/status').read().splitlines() if ':\\t' in line)\n"
+    "    return status['Seccomp'].strip(), status['Seccomp_filters'].strip()\n"
+)
+
+
+def call_in_sandbox(program: str, name: str, *args):
+    """What the program's function `name` answers in a real sandbox, through the judge's channel."""
+    limits = SandboxLimits(timeout_seconds=TIMEOUT)
+    with open_sandbox(check_sandbox(), limits) as sandbox:
+        channel = code_rewards._Channel(sandbox)
+        assert channel.start() is None
+        assert channel.exchange(encode(("", program, limits.rlimits()))) == ("loaded", True)
+        return channel.call(name, args, {})
+
+
+@pytest.fixture(scope="module")
+def syscall_errors():
+    numbers = [*DENIED_X86_64.values(), X32_SYSCALL_BIT | GETPID, GETPID]
+    return call_in_sandbox(SYSCALL_PROBE, "calls", numbers)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 syscall numbers")
+@pytest.mark.parametrize("name", list(DENIED_X86_64))
+def test_seccomp_denies_the_syscall_from_inside_the_sandbox(syscall_errors, name):
+    assert syscall_errors[DENIED_X86_64[name]] in ("EPERM", "ENOSYS")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 syscall numbers")
+def test_seccomp_denies_the_x32_abi_and_allows_ordinary_syscalls(syscall_errors):
+    assert syscall_errors[X32_SYSCALL_BIT | GETPID] == "EPERM"  # unfiltered: a pid (x32 on) or ENOSYS (x32 off)
+    assert syscall_errors[GETPID] == "OK"
+
+
+def test_seccomp_deny_list_covers_the_required_syscalls():
+    assert set(DENIED_X86_64) <= set(seccomp_module.DENIED_SYSCALLS)
+    if platform.machine() == "x86_64":
+        assert {name: seccomp_module.DENIED_SYSCALLS[name] for name in DENIED_X86_64} == DENIED_X86_64
+
+
+def run_bpf(program: bytes, number: int, arch: int) -> int:
+    """What a classic BPF seccomp program returns for a call (the instructions the filter uses)."""
+    data = struct.pack("=iI", number, arch) + bytes(56)  # struct seccomp_data: nr, arch, ip, args[6]
+    accumulator, pc = 0, 0
+    while True:
+        code, jump_true, jump_false, k = struct.unpack_from("=HBBI", program, pc * 8)
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            accumulator, pc = struct.unpack_from("=I", data, k)[0], pc + 1
+        elif code in (0x15, 0x35):  # BPF_JMP | BPF_JEQ / BPF_JGE, BPF_K
+            taken = accumulator == k if code == 0x15 else accumulator >= k
+            pc += 1 + (jump_true if taken else jump_false)
+        elif code == 0x06:  # BPF_RET | BPF_K
+            return k
+        else:
+            raise AssertionError(f"unexpected BPF instruction {code:#x}")
+
+
+def test_seccomp_program_answers_each_syscall_by_number():
+    """The filter itself, call by call: also for calls that the kernel refuses an unprivileged process anyway
+    (`kexec_load`, `init_module`...), where the sandbox's EPERM does not show the filter at work."""
+    program = seccomp_module.build_filter()
+    x86_64, i386 = 0xC000003E, 0x40000003
+    eperm, allow, kill = 0x00050000 | errno.EPERM, 0x7FFF0000, 0x80000000
+    assert {name: run_bpf(program, number, x86_64) for name, number in DENIED_X86_64.items()} == dict.fromkeys(
+        DENIED_X86_64, eperm
+    )
+    assert run_bpf(program, X32_SYSCALL_BIT | GETPID, x86_64) == eperm
+    assert [run_bpf(program, number, x86_64) for number in (0, 1, GETPID, 57, 59, 435)] == [allow] * 6
+    assert run_bpf(program, 20, i386) == kill
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="int 0x80 is the i386 entry of x86-64 kernels")
+def test_seccomp_kills_a_program_that_uses_the_i386_syscall_entry():
+    program = (
+        "import ctypes, mmap\n"
+        "def alive():\n"
+        "    return 1\n"
+        "def i386_getpid():\n"
+        "    memory = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+        "    memory.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))  # mov eax, 20 (getpid); int 0x80; ret\n"
+        "    return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(memory)))()\n"
+    )
+    run = run_tests(program, ["assert alive() == 1", "assert i386_getpid() > 0", "assert alive() == 1"])
+    assert run.passed == 1  # killed at the i386 call: the arch check of the filter
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the filter is built for x86-64")
+def test_seccomp_filter_is_on_and_ordinary_programs_run():
+    program = SYSCALL_PROBE + (
+        "import collections, datetime, decimal, fractions, hashlib, itertools, json, random, re, time\n"
+        "def ordinary(n):\n"
+        "    counts = collections.Counter(re.findall(r'\\w', json.dumps({'n': n, 'd': str(decimal.Decimal(n) / 3)})))\n"
+        "    digest = hashlib.sha256(str(sorted(counts.items())).encode()).hexdigest()\n"
+        "    open('scratch.txt', 'w').write(digest)\n"
+        "    random.seed(n)\n"
+        "    return [len(open('scratch.txt').read()), sum(itertools.islice(itertools.count(), n)),\n"
+        "            str(fractions.Fraction(n, 4)), datetime.date(2024, 1, n).isoformat(), time.monotonic() > 0]\n"
+    )
+    tests = [
+        "assert seccomp() == ('2', '1')",  # filter mode, one filter
+        "assert ordinary(2) == [64, 1, '1/2', '2024-01-02', True]",
+    ]
+    assert run_tests(program, tests).passed == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A sandbox that fails to start is not a wrong program
+
+
+@pytest.fixture
+def broken_bwrap(tmp_path, monkeypatch):
+    """A bwrap that fails as it does once the kernel refuses its namespaces, used after the real start-up check
+    passed; the programs are judged in this process, so that the fake is the one they get."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    check_sandbox()
+    monkeypatch.setattr(code_rewards, "check_sandbox", lambda: str(fake))
+    monkeypatch.setattr(code_rewards, "map_with_timeout", lambda function, jobs, *args, **kwargs: [
+        function(*job) for job in jobs
+    ])  # fmt: skip
+    monkeypatch.setattr(code_rewards, "_consecutive_sandbox_failures", 0)
+    return fake
+
+
+def test_sandbox_failures_are_counted_logged_and_unscored(broken_bwrap, caplog):
+    honest = answer("def add(a, b):\n    return a + b")
+    metrics = {}
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion.rewards.code_rewards"):
+        rewards = code_reward([honest, "no code"], tests=[ADD_TESTS] * 2, log_metric=metrics.__setitem__)
+    assert rewards == [None, 0.0]  # not the program's fault: unscored, not 0
+    assert metrics == {"code_reward/sandbox_failures": 1.0}
+    assert "Creating new namespace failed" in caplog.text and "sandbox" in caplog.text
+    run = run_tests("def add(a, b):\n    return a + b", ADD_TESTS)
+    assert run.sandbox_failed and run.passed == 0
+
+
+def test_consecutive_sandbox_failures_stop_the_run(broken_bwrap, monkeypatch):
+    honest = answer("def add(a, b):\n    return a + b")
+    assert code_solved([honest] * 2, tests=[ADD_TESTS] * 2, max_consecutive_sandbox_failures=3) == [None, None]
+    with pytest.raises(SandboxUnavailableError, match="3 consecutive.*Creating new namespace failed"):
+        code_reward([honest], tests=[ADD_TESTS], max_consecutive_sandbox_failures=3)
+    # One sandbox that starts resets the count.
+    monkeypatch.setattr(code_rewards, "check_sandbox", check_sandbox)
+    assert code_reward([honest], tests=[ADD_TESTS], max_consecutive_sandbox_failures=3) == [1.0]
+    assert code_rewards._consecutive_sandbox_failures == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Limits are checked
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [
+        ("timeout_seconds", 0),
+        ("timeout_seconds", -1),
+        ("timeout_seconds", float("nan")),
+        ("timeout_seconds", float("inf")),
+        ("timeout_seconds", "5"),
+        ("timeout_seconds", True),
+        ("timeout_seconds", 1e300),  # finite, but no RLIMIT_CPU holds it
+        ("memory_limit_mb", 0),
+        ("memory_limit_mb", -5),
+        ("memory_limit_mb", 512.5),
+        ("memory_limit_mb", True),
+        ("memory_limit_mb", 2**50),  # 2**70 bytes: past RLIMIT_AS
+        ("max_workers", 0),
+        ("max_workers", -1),
+        ("max_workers", 2.0),
+        ("max_workers", True),
+        ("max_consecutive_sandbox_failures", 0),
+    ],
+)
+def test_bad_limits_are_refused_with_the_argument_named(argument, value):
+    honest = answer("def add(a, b):\n    return a + b")
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        code_reward([honest], tests=[ADD_TESTS], **{argument: value})
+    if argument != "max_consecutive_sandbox_failures":
+        with pytest.raises(ValueError, match=f"`{argument}`"):
+            code_solved(["no code"], tests=[ADD_TESTS], **{argument: value})
+    if argument in ("timeout_seconds", "memory_limit_mb"):
+        with pytest.raises(ValueError, match=f"`{argument}`"):
+            run_tests("def add(a, b):\n    return a + b", ADD_TESTS, **{argument: value})

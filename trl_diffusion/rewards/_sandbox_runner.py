@@ -1,11 +1,13 @@
 """Serves one candidate program's functions; started inside the sandbox as `python -I -S -B <this file>`.
 
 Standard library only (`-S`: not even site-packages). Messages are lines: each is the `repr` of plain data (see
-[`encode`]), read back with `ast.literal_eval` ([`decode`]), never `eval` or pickle. The first message, from the
-judge, is the job: `(setup, solution, rlimits)`. This process applies the limits to itself, runs the setup and the
-program, and answers `("loaded", True)` (or `False` if they raised). Each later message is a call,
+[`encode`]), read back with `ast.literal_eval` ([`decode`]), never `eval` or pickle. This process first says
+`("ready", True)`, before it reads anything (so the judge can tell a sandbox that failed to start from a program that
+misbehaved). The first message from the judge is the job: `(setup, solution, rlimits)`. This process applies the
+limits to itself, runs the setup and the program, and answers `("loaded", True)` (or `False` if they raised). Each later message is a call,
 `(name, args, kwargs)`, of a function the program defines; the answer is `("ok", value)`, `("raise", exception type
-name)`, or `("unserialisable", type name)` when the value is not plain data.
+name)`, or `("unserialisable", type name)` when the value is not plain data. The judge takes any answer but
+`("ok", value)` as a failed call, whatever the name.
 
 Nothing here is trusted once the program runs: the program can rebind anything in this process and write any line.
 That is harmless by design. The judge (`code_rewards`) never sends the tests or their expected values, only the
@@ -55,15 +57,18 @@ def encode(value) -> bytes:
 
 
 def decode(message: bytes):
-    """The plain data a message holds (`ast.literal_eval`: builtin literals only, nothing is executed).
+    """The plain data a message holds (`ast.literal_eval`: builtin literals only, nothing is executed), checked as
+    [`encode`] checks it: a forged line cannot bring what `encode` refuses (`1e999`, `...`, 200 levels of lists).
 
     Raises:
         ValueError: the message is not one literal of plain data.
     """
     try:
-        return ast.literal_eval(message.decode("utf-8"))
+        value = ast.literal_eval(message.decode("utf-8"))
     except (UnicodeDecodeError, SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as error:
         raise ValueError(f"not plain data: {type(error).__name__}") from None
+    _check_plain(value)
+    return value
 
 
 def _limit_resources(rlimits):
@@ -83,6 +88,7 @@ def main():
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
+    os.write(responses, encode(("ready", True)))
     setup, solution, rlimits = decode(requests.readline())
     _limit_resources(rlimits)
     write, exit_now = os.write, os._exit

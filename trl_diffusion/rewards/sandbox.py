@@ -5,7 +5,9 @@ and gid 65534 (`nobody`) with no capabilities and `no_new_privs`, on a filesyste
 Python prefix (read-only), a fresh `/proc` of its own PID namespace, a minimal `/dev`, and a fresh size-limited
 `/tmp` (its scratch directory, the only writable place, gone when it exits), with an empty environment. The runner
 (`_sandbox_runner.py`) caps CPU time, address space, processes, file size and open files before any untrusted code
-runs; the parent kills the whole sandbox at the wall-clock limit; it dies with its parent.
+runs; the parent kills the whole sandbox at the wall-clock limit; it dies with its parent. A seccomp filter
+(`seccomp.py`) denies the kernel keyrings, io_uring, bpf, ptrace, new namespaces and mounts, kernel modules and the x32
+ABI, and kills a call through another architecture's entry.
 
 When the caller is root, a first, privileged bwrap builds that filesystem and the PID and network namespaces, drops
 to uid 65534 (`setpriv`), and a second, unprivileged bwrap adds the user namespace: so the program's uid is 65534 for
@@ -15,6 +17,7 @@ When the caller is not root, one unprivileged bwrap does it all, mapping uid 655
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -25,13 +28,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+from .seccomp import seccomp_filter
+from .workers import check_positive
 
 SANDBOX_UID = 65534
 SCRATCH_DIR = "/tmp"
 RUNNER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_runner.py")
 # Where the runner appears inside the sandbox.
 _SANDBOX_RUNNER_PATH = "/opt/trl_diffusion/runner.py"
+# What is read of the sandbox's stderr (bubblewrap's own errors) when it fails to start.
+_MAX_STDERR_BYTES = 4096
 _INSTALL_HINT = (
     "Install it: `apt-get install bubblewrap` (Debian, Ubuntu), `dnf install bubblewrap` (Fedora), "
     "`pacman -S bubblewrap` (Arch)"
@@ -79,6 +88,25 @@ class SandboxLimits:
     max_open_files: int = 64
     max_message_bytes: int = 2**20
     max_output_bytes: int = 16 * 2**20
+
+    def __post_init__(self):
+        # 0 or NaN seconds would time every program out, inf would never stop one; 0 MiB would fail every program.
+        for field in fields(self):
+            integer = field.name != "timeout_seconds"
+            check_positive(field.name, getattr(self, field.name), integer=integer, example=repr(field.default))
+        sources = {
+            "AS": "memory_limit_mb",
+            "CPU": "timeout_seconds",
+            "FSIZE": "max_file_mb",
+            "NOFILE": "max_open_files",
+        }
+        for name, value in self.rlimits().items():
+            if value >= 2**63:  # setrlimit's range: past it the runner could not apply the limit and would exit
+                argument = sources[name]
+                raise ValueError(
+                    f"`{argument}` is too large to apply as `RLIMIT_{name}` (at most 2**63 - 1 in the kernel's unit): "
+                    f"use a smaller value; got {getattr(self, argument)!r}."
+                )
 
     def rlimits(self) -> dict[str, int]:
         """The limits the runner applies to itself before running untrusted code (`resource.RLIMIT_<name>`).
@@ -146,7 +174,9 @@ _NAMESPACE_ARGS = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare
 _COMMON_ARGS = ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
 
 
-def sandbox_command(bwrap: str, limits: SandboxLimits, python_args: list[str] | None = None) -> list[str]:
+def sandbox_command(
+    bwrap: str, limits: SandboxLimits, python_args: list[str] | None = None, seccomp_fd: int | None = None
+) -> list[str]:
     """The command that starts the runner in a sandbox (see the module docstring).
 
     Args:
@@ -156,13 +186,18 @@ def sandbox_command(bwrap: str, limits: SandboxLimits, python_args: list[str] | 
             Its scratch size is the size of the sandbox's `/tmp`.
         python_args (`list[str]`, *optional*):
             What the interpreter runs instead of the runner (a check such as `["-c", "..."]`).
+        seccomp_fd (`int`, *optional*):
+            A descriptor to read the seccomp filter from (see [`seccomp_pipe`]), inherited by the command; without
+            it there is no filter.
     """
     executable, prefix = _python()
     python = [executable, "-I", "-S", "-B", *(python_args or [_SANDBOX_RUNNER_PATH])]
     user_namespace = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns"]
+    # The innermost bwrap loads it, just before it starts the interpreter: its own set-up mounts and unshares.
+    seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
     filesystem = _filesystem_args(prefix, limits.scratch_limit_mb * 2**20)
     if os.geteuid() != 0:
-        return [bwrap, *_NAMESPACE_ARGS, *user_namespace, *_COMMON_ARGS, *filesystem, "--", *python]
+        return [bwrap, *_NAMESPACE_ARGS, *user_namespace, *_COMMON_ARGS, *seccomp, *filesystem, "--", *python]
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         raise SandboxUnavailableError(
@@ -182,6 +217,7 @@ def sandbox_command(bwrap: str, limits: SandboxLimits, python_args: list[str] | 
         bwrap,
         *user_namespace,
         "--die-with-parent",
+        *seccomp,
         "--ro-bind", "/", "/",
         "--bind", SCRATCH_DIR, SCRATCH_DIR,
         "--dev-bind", "/dev", "/dev",
@@ -195,6 +231,37 @@ def sandbox_command(bwrap: str, limits: SandboxLimits, python_args: list[str] | 
         if not (os.path.realpath(path) + os.sep).startswith("/usr/"):
             outer += ["--ro-bind", path, path]
     return [*outer, "--", *drop_root, "--", *inner, "--", *python]
+
+
+@contextlib.contextmanager
+def seccomp_pipe() -> Iterator[int | None]:
+    """The read end of a pipe holding the seccomp filter, for one sandbox (bwrap reads it to the end), or `None`
+    where there is no filter (see [`seccomp_filter`]). Closed on exit: pass it to the child first."""
+    program = seccomp_filter()
+    if program is None:
+        yield None
+        return
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, program)  # a few hundred bytes: the pipe's buffer holds them
+        os.close(write_end)
+        yield read_end
+    finally:
+        os.close(read_end)
+
+
+def open_sandbox(bwrap: str, limits: SandboxLimits) -> SandboxProcess:
+    """Starts the runner in a fresh sandbox, its seccomp filter included.
+
+    Args:
+        bwrap (`str`):
+            The bubblewrap executable ([`check_sandbox`]).
+        limits ([`SandboxLimits`]):
+            The sandbox's limits.
+    """
+    with seccomp_pipe() as seccomp_fd:
+        command = sandbox_command(bwrap, limits, seccomp_fd=seccomp_fd)
+        return SandboxProcess(command, limits, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
 
 
 def unsafe_command() -> list[str]:
@@ -217,9 +284,12 @@ def check_sandbox() -> str:
             f"PATH. {_INSTALL_HINT}. Or pass `unsafe_local_execution=True` to run them without isolation (only "
             "for code you trust: a program can then read your files and tokens and score without solving)."
         )
-    command = sandbox_command(bwrap, SandboxLimits(), ["-c", "import os, sys; sys.stdout.write(str(os.getuid()))"])
+    probe = ["-c", "import os, sys; sys.stdout.write(str(os.getuid()))"]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, env={}, timeout=60)
+        with seccomp_pipe() as seccomp_fd:
+            command = sandbox_command(bwrap, SandboxLimits(), probe, seccomp_fd=seccomp_fd)
+            pass_fds = () if seccomp_fd is None else (seccomp_fd,)
+            result = subprocess.run(command, capture_output=True, text=True, env={}, timeout=60, pass_fds=pass_fds)
     except (OSError, subprocess.TimeoutExpired) as error:
         result = None
         detail = str(error)
@@ -246,24 +316,32 @@ class SandboxProcess:
             The time limit (counted from now) and the bounds on what is read back.
         cwd (`str`, *optional*):
             Working directory of the process (only for the unsafe runner: the sandbox has its own).
+        pass_fds (`tuple[int, ...]`, *optional*):
+            Descriptors the process inherits (the seccomp filter's pipe).
     """
 
-    def __init__(self, command: list[str], limits: SandboxLimits, cwd: str | None = None):
+    def __init__(
+        self, command: list[str], limits: SandboxLimits, cwd: str | None = None, pass_fds: tuple[int, ...] = ()
+    ):
         self.limits = limits
         self.deadline = time.monotonic() + limits.timeout_seconds
         self._process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            # bubblewrap's own errors, read only when it fails to start; the runner points fd 2 at /dev/null before
+            # any untrusted code runs.
+            stderr=subprocess.PIPE,
             env={},
             cwd=cwd,
+            pass_fds=pass_fds,
             start_new_session=True,  # its own process group, so that the kill below reaches all it started
         )
         self._buffer = bytearray()
         self._received = 0
-        os.set_blocking(self._process.stdin.fileno(), False)
-        os.set_blocking(self._process.stdout.fileno(), False)
+        self._stderr_tail = ""
+        for pipe in (self._process.stdin, self._process.stdout, self._process.stderr):
+            os.set_blocking(pipe.fileno(), False)
         self._selector = selectors.DefaultSelector()
 
     def _wait(self, fileobj, event) -> None:
@@ -331,6 +409,12 @@ class SandboxProcess:
                 raise SandboxClosed(f"the sandbox wrote more than {self.limits.max_output_bytes} bytes")
             self._buffer += chunk
 
+    @property
+    def stderr_tail(self) -> str:
+        """The first 4 KiB the process wrote to stderr, read when it was closed (bubblewrap's error when it failed to
+        start)."""
+        return self._stderr_tail
+
     def close(self) -> None:
         """Kills the process group (the sandbox goes with it) and reaps the process."""
         if self._process.returncode is None:
@@ -340,7 +424,12 @@ class SandboxProcess:
             except (ProcessLookupError, PermissionError):
                 pass
             self._process.wait()
-        for pipe in (self._process.stdin, self._process.stdout):
+        if not self._process.stderr.closed:
+            try:
+                self._stderr_tail = os.read(self._process.stderr.fileno(), _MAX_STDERR_BYTES).decode(errors="replace")
+            except (BlockingIOError, OSError):
+                pass
+        for pipe in (self._process.stdin, self._process.stdout, self._process.stderr):
             try:
                 pipe.close()
             except OSError:

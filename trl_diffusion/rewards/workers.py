@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import math
+import numbers
 import os
 import pickle
 import queue
@@ -38,6 +40,24 @@ def default_workers() -> int:
     """The CPUs this process may use, at most 8."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return min(8, cpus or 1)
+
+
+def check_positive(name: str, value, integer: bool, example: str, none_means: str | None = None) -> None:
+    """Raises a `ValueError` naming the argument unless `value` is a positive finite number (an integer if `integer`),
+    or `None` where `none_means` says what `None` does. `bool` is refused: `True` would be one second or one worker.
+    NaN would never time out (every comparison with it is False), and 0 would time out or refuse everything."""
+    kind = numbers.Integral if integer else numbers.Real
+    if value is None and none_means is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, kind) or not (integer or math.isfinite(value)) or value <= 0:
+        expected = "a positive integer" if integer else "a positive, finite number"
+        alternative = "" if none_means is None else f", or None {none_means}"
+        raise ValueError(f"`{name}` must be {expected} (e.g. `{name}={example}`){alternative}; got {value!r}.")
+
+
+def check_max_workers(max_workers: int | None) -> None:
+    """Raises a `ValueError` naming `max_workers` unless it is `None` or a positive integer."""
+    check_positive("max_workers", max_workers, integer=True, example="2", none_means="for one per CPU (at most 8)")
 
 
 class WorkerDied(Exception):
@@ -114,6 +134,7 @@ class WorkerPool:
     """
 
     def __init__(self, max_workers: int, preload: Sequence[str] = ()):
+        check_max_workers(max_workers)
         self.max_workers = max_workers
         self.preload = tuple(preload)
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
@@ -166,7 +187,11 @@ class WorkerPool:
 
         Returns:
             `list`: one result per job, in order.
+
+        Raises:
+            ValueError: `timeout_seconds` is not a positive, finite number.
         """
+        check_positive("timeout_seconds", timeout_seconds, integer=False, example="5.0")
         with ThreadPoolExecutor(max_workers=self.max_workers) as executor:
             return list(executor.map(lambda job: self._run_one(function, job, timeout_seconds, on_timeout), jobs))
 
@@ -202,7 +227,13 @@ def map_with_timeout(
             Jobs run at once. Defaults to [`default_workers`].
         preload (`list[str]`, *optional*):
             Modules a new worker of this pool imports before its first job.
+
+    Raises:
+        ValueError: `max_workers` is not `None` or a positive integer, or `timeout_seconds` is not a positive, finite
+            number (checked even without jobs).
     """
+    check_max_workers(max_workers)
+    check_positive("timeout_seconds", timeout_seconds, integer=False, example="5.0")
     if not jobs:
         return []
     key = (kind, max_workers or default_workers())
