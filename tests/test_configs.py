@@ -2,7 +2,8 @@
 command line; the fields it adds to its parent or re-defaults, exactly; and every field it adds to TRL's config
 (`GRPOConfig`, `SFTConfig`) or re-defaults, set to a non-default value on the command line and read back.
 
-Values of the configs' bad inputs are tested next to their trainers (`test_trainers.py`, `test_espo.py`, ...).
+Values of the configs' bad inputs are tested next to their trainers (`test_trainers.py`, `test_espo.py`, ...), and for
+every numeric and choice field by `test_config_validation.py`.
 """
 
 import dataclasses
@@ -475,3 +476,15 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
         argv = [*cpu_argv(tmp_path), "--max_completion_length", "16", *cli_args(settings)]
         (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
         assert getattr(config, name) == value
+
+
+def test_a_bad_value_fails_the_command_line_naming_the_field(tmp_path):
+    """The command line builds the config through TRL's parser, so the config's field rules refuse the value before
+    any model is loaded (issue 25)."""
+    from trl_diffusion.cli import main
+
+    argv = ["agrpo", "--model_name_or_path", "m", "--dataset_name", "countdown", *cpu_argv(tmp_path)]
+    with pytest.raises(ValueError, match=r"`lookahead_return_weight` must be a finite number >= 0 .*got nan"):
+        main([*argv, "--lookahead_return_weight", "nan"])
+    with pytest.raises(ValueError, match=r"`num_iterations` must be an integer >= 1"):
+        main([*argv, "--num_iterations", "0"])

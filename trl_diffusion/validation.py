@@ -1,5 +1,6 @@
 """Checks of what a user points the package at (model paths, checkpoints, names) that fail with a message naming the
-argument or file and the fix, before transformers or the Hub client fail with one that names neither.
+argument or file and the fix, before transformers or the Hub client fail with one that names neither; and the rules
+of the configs' numeric and choice fields ([`FieldRule`], applied by [`check_field_rules`]).
 
 Only the standard library is imported here, so that the command line can run these checks before importing torch.
 """
@@ -9,9 +10,12 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
+import numbers
 import os
 import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -151,6 +155,182 @@ def check_unsupported_fields(config, owner: str) -> None:
                 f"`{name}={getattr(config, name)!r}` is not supported by {owner} ({reason}). Leave `{name}` at "
                 f"{allowed[0]!r}."
             )
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one numeric or choice field of a config accepts. A config class declares its rules in a
+    `field_rules` class attribute (field name -> rule); [`check_field_rules`] applies those of the class and of every
+    base class, a subclass's rule replacing its base's for the same field. Build rules with [`integer`], [`number`]
+    and [`choice`].
+
+    Args:
+        kind (`str`):
+            `"int"` (an integer: a float such as `2.0` or a bool is refused), `"float"` (a finite int or float, not a
+            bool) or `"choice"` (one of `choices`).
+        low (`float`, *optional*):
+            Lower bound of an `int` or `float` field; `None` for none.
+        low_inclusive (`bool`, *optional*, defaults to `True`):
+            Whether `low` itself is accepted.
+        high (`float`, *optional*):
+            Upper bound; `None` for none.
+        high_inclusive (`bool`, *optional*, defaults to `True`):
+            Whether `high` itself is accepted.
+        optional (`bool`, *optional*, defaults to `False`):
+            Whether `None` is accepted.
+        choices (`tuple`, *optional*, defaults to `()`):
+            The values of a `choice` field.
+        note (`str`, *optional*, defaults to `""`):
+            What the value means or the special values do, shown in the message (e.g. "0 disables the KL term").
+    """
+
+    kind: str
+    low: float | None = None
+    low_inclusive: bool = True
+    high: float | None = None
+    high_inclusive: bool = True
+    optional: bool = False
+    choices: tuple = ()
+    note: str = ""
+
+    def describe(self) -> str:
+        """What the field must be, e.g. "a finite number in (0, 1)" or "an integer >= 1, or None"."""
+        if self.kind == "choice":
+            text = f"one of {', '.join(repr(value) for value in self.choices)}"
+        else:
+            text = "an integer" if self.kind == "int" else "a finite number"
+            low = None if self.low is None else f"{'[' if self.low_inclusive else '('}{self.low:g}"
+            high = None if self.high is None else f"{self.high:g}{']' if self.high_inclusive else ')'}"
+            if low and high:
+                text += f" in {low}, {high}"
+            elif low:
+                text += f" {'>=' if self.low_inclusive else '>'} {self.low:g}"
+            elif high:
+                text += f" {'<=' if self.high_inclusive else '<'} {self.high:g}"
+        if self.optional:
+            text += ", or None"
+        return f"{text} ({self.note})" if self.note else text
+
+    def has_type(self, value) -> bool:
+        """Whether `value` is an int (for `"int"`) or a real number (for `"float"`); a bool is neither."""
+        return not isinstance(value, bool) and isinstance(
+            value, numbers.Integral if self.kind == "int" else numbers.Real
+        )
+
+    def accepts(self, value) -> bool:
+        if value is None:
+            return self.optional
+        if self.kind == "choice":
+            # `1 == True`: a bool matches only a bool choice (TRL's `scale_rewards=True`), and a number none.
+            return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in self.choices)
+        if not self.has_type(value) or not math.isfinite(value):
+            return False
+        if self.low is not None and not (value >= self.low if self.low_inclusive else value > self.low):
+            return False
+        return self.high is None or (value <= self.high if self.high_inclusive else value < self.high)
+
+
+def integer(low: int | None = None, high: int | None = None, *, optional: bool = False, note: str = "") -> FieldRule:
+    """[`FieldRule`] of an integer field in `[low, high]`."""
+    return FieldRule("int", low=low, high=high, optional=optional, note=note)
+
+
+def number(
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    optional: bool = False,
+    note: str = "",
+) -> FieldRule:
+    """[`FieldRule`] of a finite number between `low` and `high` (each included unless told otherwise)."""
+    return FieldRule(
+        "float",
+        low=low,
+        low_inclusive=low_inclusive,
+        high=high,
+        high_inclusive=high_inclusive,
+        optional=optional,
+        note=note,
+    )
+
+
+def choice(choices, *, optional: bool = False, note: str = "") -> FieldRule:
+    """[`FieldRule`] of a field that takes one of `choices`."""
+    return FieldRule("choice", choices=tuple(choices), optional=optional, note=note)
+
+
+def field_rules_of(config_class: type) -> dict[str, FieldRule]:
+    """The rules [`check_field_rules`] applies to an instance of `config_class`: the `field_rules` of the class and
+    of its bases (mixins included), the most derived class's rule winning for a field."""
+    rules = {}
+    for klass in reversed(config_class.__mro__):
+        rules.update(vars(klass).get("field_rules", {}))
+    return rules
+
+
+def check_field_rules(config, names: tuple[str, ...] | None = None) -> None:
+    """Raises a `ValueError` naming the field, its value and what it must be on the first field of `config` that its
+    rule ([`field_rules_of`]) refuses: run at the start of the configs' `__post_init__`, before transformers and TRL
+    compute with the values.
+
+    Args:
+        config:
+            A config instance whose class (or a base) declares `field_rules`.
+        names (`tuple[str, ...]`, *optional*):
+            Check only these fields (default: every field with a rule).
+    """
+    rules = field_rules_of(type(config))
+    for name in rules if names is None else names:
+        rule, value = rules[name], getattr(config, name)
+        if rule.accepts(value):
+            continue
+        if rule.kind == "choice":
+            strings = [c for c in rule.choices if isinstance(c, str)]
+            close = difflib.get_close_matches(value, strings, n=3, cutoff=0.6) if isinstance(value, str) else []
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+            raise ValueError(f"Unknown `{name}` {value!r}{hint}: choose {rule.describe()}.")
+        got = repr(value)
+        if value is not None and not rule.has_type(value):
+            got += f" ({type(value).__name__})"
+            # An integral float usually comes from arithmetic (`n / 2`).
+            if rule.kind == "int" and isinstance(value, float) and value.is_integer():
+                got += f": pass {int(value)}"
+        raise ValueError(f"`{name}` must be {rule.describe()}, got {got}.")
+
+
+# Rules of the `TrainingArguments` fields every config of the package inherits (TRL's `GRPOConfig` and `SFTConfig`
+# subclass it). transformers itself checks few of them, and computes with NaN without a word.
+TRAINING_ARGUMENTS_RULES = {
+    "learning_rate": number(0, note="the initial learning rate"),
+    "weight_decay": number(0),
+    "adam_beta1": number(0, 1, high_inclusive=False),
+    "adam_beta2": number(0, 1, high_inclusive=False),
+    "adam_epsilon": number(0),
+    "max_grad_norm": number(0, optional=True, note="0 or None disables gradient clipping"),
+    "num_train_epochs": number(0, low_inclusive=False, note="ignored when `max_steps` is positive"),
+    "max_steps": integer(-1, note="optimiser steps; -1 trains for `num_train_epochs`"),
+    "warmup_steps": number(0, note="optimiser steps, or below 1 a fraction of them"),
+    "label_smoothing_factor": number(0, 1, high_inclusive=False),
+    "neftune_noise_alpha": number(0, optional=True),
+    "per_device_train_batch_size": integer(1),
+    "per_device_eval_batch_size": integer(1),
+    "gradient_accumulation_steps": integer(1),
+    "eval_accumulation_steps": integer(1, optional=True),
+    "logging_steps": number(0, note="steps, or below 1 a fraction of the run"),
+    "save_steps": number(0, note="steps, or below 1 a fraction of the run"),
+    "eval_steps": number(0, optional=True, note="steps, or below 1 a fraction of the run"),
+    "eval_delay": number(0),
+    "save_total_limit": integer(0, optional=True),
+    "seed": integer(0),
+    "data_seed": integer(0, optional=True),
+    "dataloader_num_workers": integer(0),
+    "dataloader_prefetch_factor": integer(1, optional=True),
+    "ddp_bucket_cap_mb": integer(1, optional=True),
+    "ddp_timeout": integer(1, note="seconds"),
+    "local_rank": integer(-1, note="set by the launcher; -1 is a single process"),
+}
 
 
 def choose_precision_defaults(config) -> None:

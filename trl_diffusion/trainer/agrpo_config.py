@@ -1,6 +1,8 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..trajectory import TRANSITION_SELECTIONS
+from ..validation import FieldRule, number
 from .base_config import sampler_field
 from .trajectory_config import OLD_LOGPROB_SOURCES, TrajectoryRLConfig
 
@@ -61,10 +63,12 @@ class AGRPOConfig(TrajectoryRLConfig):
         metadata={"help": "lambda of EGSPO-SA's one-step greedy look-ahead returns; 0 is off."},
     )
 
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "lookahead_return_weight": number(0, note="lambda of the look-ahead returns; 0 is off"),
+    }
+
     def __post_init__(self):
         super().__post_init__()
-        if self.lookahead_return_weight < 0:
-            raise ValueError(f"`lookahead_return_weight` must be >= 0, got {self.lookahead_return_weight}.")
         if self.lookahead_return_weight > 0 and self.transition_selection not in LOOKAHEAD_SELECTIONS:
             raise ValueError(
                 "`lookahead_return_weight` rewards the greedy completion at each scored transition at rollout time, so "

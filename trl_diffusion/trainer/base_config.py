@@ -11,7 +11,16 @@ from trl import GRPOConfig
 
 from ..generation import DiffusionGenerationConfig
 from ..masking import ELBO_REGIONS
-from ..validation import check_unsupported_fields, choose_config_defaults
+from ..validation import (
+    TRAINING_ARGUMENTS_RULES,
+    FieldRule,
+    check_field_rules,
+    check_unsupported_fields,
+    choice,
+    choose_config_defaults,
+    integer,
+    number,
+)
 
 # The sampler settings a trainer config carries, under the sampler's own names. `max_completion_length` and
 # `temperature` are also TRL's fields: the sampler reads TRL's values, as TRL's `GRPOConfig` flattens its own
@@ -70,6 +79,9 @@ def refused_token_loss_fields(objective: str) -> dict[str, tuple[tuple, str]]:
         }
     )
 
+
+# TRL's `loss_type` values (`GRPOTrainer._compute_loss` raises on any other, at the first step).
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 _VLLM_FIELDS = " ".join(name for name in GRPOConfig.__dataclass_fields__ if name.startswith("vllm_"))
 
@@ -177,19 +189,59 @@ class DiffusionRLConfig(GRPOConfig):
         ),
     }
 
+    # Type and range of each numeric field, and the values of each choice field: name -> rule, checked at the start
+    # of `__post_init__` (`check_field_rules`). A subclass declares only its own fields' rules (and those it
+    # overrides): the rules of every class of the MRO apply. The sampler fields other than `max_completion_length`
+    # (which TRL lets be None) are [`DiffusionGenerationConfig`]'s to check, when `__post_init__` builds it.
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        **TRAINING_ARGUMENTS_RULES,
+        "beta": number(0, note="0 disables the KL term"),
+        "epsilon": number(0, note="the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
+        "epsilon_high": number(0, optional=True, note="the upper clip range; None is `epsilon`"),
+        "delta": number(
+            1,
+            low_inclusive=False,
+            optional=True,
+            note="two-sided clipping's cap of the ratio, TRL recommends more than 1 + epsilon; None is off",
+        ),
+        "num_iterations": integer(1, note="optimisation passes over each rollout batch"),
+        "num_generations": integer(2, note="completions per prompt, which the advantages compare"),
+        "num_generations_eval": integer(1, optional=True, note="None is `num_generations`"),
+        "generation_batch_size": integer(1, optional=True),
+        "steps_per_generation": integer(1, optional=True, note="None is `gradient_accumulation_steps`"),
+        "max_completion_length": integer(1, note="the canvas length L"),
+        "loss_type": choice(TRL_LOSS_TYPES),
+        "scale_rewards": choice(("group", "batch", "none", True, False), note="True is 'group', False 'none'"),
+        "importance_sampling_level": choice(("token", "sequence")),
+        "multi_objective_aggregation": choice(("sum_then_normalize", "normalize_then_sum")),
+        "ref_model_mixup_alpha": number(0, 1),
+        "ref_model_sync_steps": integer(1),
+        "top_entropy_quantile": number(0, 1, note="1 keeps every token"),
+        # A negative coefficient (entropy minimisation) is a legitimate objective.
+        "entropy_coef": number(note="0 disables the entropy bonus"),
+        "entropy_coef_min": number(),
+        "entropy_coef_max": number(),
+        "entropy_coef_delta": number(0),
+        "entropy_target": number(0, note="nats per token"),
+        "sapo_temperature_neg": number(0, low_inclusive=False),
+        "sapo_temperature_pos": number(0, low_inclusive=False),
+        "vespo_k_pos": number(0),
+        "vespo_lambda_pos": number(0),
+        "vespo_k_neg": number(0),
+        "vespo_lambda_neg": number(0),
+        "off_policy_mask_threshold": number(0, optional=True, note="None disables the off-policy mask"),
+        "router_aux_loss_coef": number(0, optional=True),
+        "num_completions_to_print": integer(0, optional=True, note="None prints them all"),
+        "mask_token_id": integer(0, optional=True, note="None reads it from the model"),
+        "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
+        "max_consecutive_failed_reward_steps": integer(1, optional=True, note="rollout batches; None never stops"),
+    }
+
     def __post_init__(self):
         choose_config_defaults(self)
+        check_field_rules(self)
         super().__post_init__()
         check_unsupported_fields(self, "trl_diffusion")
-        if self.max_completion_length is None or self.max_completion_length < 1:
-            raise ValueError("`max_completion_length` (the canvas length L) must be a positive integer.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"`max_prompt_length` must be positive or None, got {self.max_prompt_length}.")
-        if self.max_consecutive_failed_reward_steps is not None and self.max_consecutive_failed_reward_steps < 1:
-            raise ValueError(
-                "`max_consecutive_failed_reward_steps` must be a positive number of rollout batches, or None to never "
-                f"stop; got {self.max_consecutive_failed_reward_steps}."
-            )
         # Validates the sampler settings now rather than at the first rollout (the messages name the same fields).
         self.to_generation_config()
 
@@ -217,7 +269,4 @@ class CompletionRegionConfig:
         },
     )
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.elbo_region not in ELBO_REGIONS:
-            raise ValueError(f"Unknown `elbo_region` {self.elbo_region!r}: choose one of {ELBO_REGIONS}.")
+    field_rules: ClassVar[dict[str, FieldRule]] = {"elbo_region": choice(ELBO_REGIONS)}

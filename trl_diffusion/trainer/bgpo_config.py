@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..validation import FieldRule, integer
 from .sequence_elbo_config import SequenceELBOConfig
 
 
@@ -51,6 +52,12 @@ class BGPOConfig(SequenceELBOConfig):
             "activation memory grows with it, fewer passes. At most num_mc_samples."
         },
     )
+
+    # The range of `mc_samples_per_backward` depends on `num_mc_samples`: its rule checks the type, `__post_init__`
+    # the range.
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "mc_samples_per_backward": integer(note="between 1 and `num_mc_samples`"),
+    }
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..validation import FieldRule, number
 from .base_config import DiffusionRLConfig
 
 
@@ -41,7 +42,4 @@ class DiffuGRPOConfig(DiffusionRLConfig):
         "router_aux_loss_coef": ((None,), "the mean-field pass computes no Mixture-of-Experts router loss"),
     }
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 <= self.p_mask_prompt < 1.0:
-            raise ValueError(f"`p_mask_prompt` must lie in [0, 1), got {self.p_mask_prompt}.")
+    field_rules: ClassVar[dict[str, FieldRule]] = {"p_mask_prompt": number(0, 1, high_inclusive=False)}

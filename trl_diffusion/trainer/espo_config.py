@@ -1,5 +1,7 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..validation import FieldRule, choice
 from .sequence_elbo_config import SequenceELBOConfig
 
 KL_ESTIMATORS = ("k2", "k1", "k3")
@@ -53,7 +55,4 @@ class ESPOConfig(SequenceELBOConfig):
     )
     learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate (ESPO: 3e-6)."})
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"Unknown `kl_estimator` {self.kl_estimator!r}: choose one of {KL_ESTIMATORS}.")
+    field_rules: ClassVar[dict[str, FieldRule]] = {"kl_estimator": choice(KL_ESTIMATORS)}

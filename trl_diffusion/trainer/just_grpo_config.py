@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..validation import FieldRule, integer
 from .base_config import DiffusionRLConfig, _trl_defaults, sampler_field
 
 # Why each sampler setting the left-to-right rollout cannot take is refused (the accepted value is the default).
@@ -98,10 +99,6 @@ class JustGRPOConfig(DiffusionRLConfig):
         ),
     }
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.just_grpo_positions_per_forward < 1:
-            raise ValueError(
-                "`just_grpo_positions_per_forward` (completion positions per forward pass) must be at least 1, got "
-                f"{self.just_grpo_positions_per_forward}."
-            )
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "just_grpo_positions_per_forward": integer(1, note="completion positions per forward pass"),
+    }

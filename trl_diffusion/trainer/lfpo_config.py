@@ -3,6 +3,7 @@ from typing import ClassVar
 
 from ..generation import DiffusionGenerationConfig
 from ..utils.deprecation import renamed_fields
+from ..validation import FieldRule, check_field_rules, choice, integer, number
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 LFPO_VARIANTS = ("all", "positive", "negative")
@@ -122,31 +123,31 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         "ref_model_sync_steps": ((512,), "LFPO has no reference model"),
     }
 
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "contrastive_beta": number(0, low_inclusive=False, note="the step size b of the contrastive logits"),
+        "adv_clip_max": number(0, low_inclusive=False),
+        "lfpo_num_states": integer(1),
+        "lfpo_states": choice(LFPO_STATE_SOURCES),
+        "lfpo_group_size": integer(1),
+        "lfpo_variant": choice(LFPO_VARIANTS),
+        "ema_alpha": number(0, 1, high_inclusive=False, optional=True, note="0 is a hard copy; None the schedule"),
+        "ema_alpha_rate": number(0),
+        "ema_alpha_max": number(0, 1, high_inclusive=False),
+        "warmup_ratio": number(0, 1, high_inclusive=False, optional=True, note="a fraction of the optimiser steps"),
+    }
+
     def __post_init__(self):
         if self.warmup_ratio is not None:
-            if not 0.0 <= self.warmup_ratio < 1.0:
-                raise ValueError(f"`warmup_ratio` must lie in [0, 1), got {self.warmup_ratio}.")
+            # Checked before it replaces `warmup_steps`, so that a bad value is reported under the name it was given.
+            check_field_rules(self, ("warmup_ratio",))
             self.warmup_steps = self.warmup_ratio
         super().__post_init__()
-        if self.contrastive_beta <= 0:
-            raise ValueError(f"`contrastive_beta` must be positive, got {self.contrastive_beta}.")
-        if self.adv_clip_max <= 0:
-            raise ValueError(f"`adv_clip_max` must be positive, got {self.adv_clip_max}.")
-        if self.lfpo_num_states < 1 or self.lfpo_group_size < 1:
-            raise ValueError("`lfpo_num_states` and `lfpo_group_size` must be at least 1.")
-        for name, choices in (("lfpo_states", LFPO_STATE_SOURCES), ("lfpo_variant", LFPO_VARIANTS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
         if self.running_confidence and self.lfpo_states == "trajectory":
             raise ValueError(
                 "`lfpo_states='trajectory'` rebuilds the sampler's intermediate canvases from the commit steps, which "
                 "`running_confidence` (tokens put back to the mask) invalidates: use `lfpo_states='forward'`, or "
                 "`running_confidence=False`."
             )
-        if self.ema_alpha is not None and not 0.0 <= self.ema_alpha < 1.0:
-            raise ValueError(f"`ema_alpha` must lie in [0, 1) (0 is a hard copy), got {self.ema_alpha}.")
-        if not 0.0 <= self.ema_alpha_max < 1.0 or self.ema_alpha_rate < 0:
-            raise ValueError("`ema_alpha_max` must lie in [0, 1) and `ema_alpha_rate` be non-negative.")
 
 
 def lfpo_inference_config(

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..masking import LENGTH_NORMS, QUADRATURE_RULES, SAMPLERS
+from ..validation import FieldRule, choice, integer, number
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 
@@ -77,15 +78,15 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
         ),
     }
 
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "num_mc_samples": integer(1),
+        "mask_sampler": choice(SAMPLERS),
+        "length_norm": choice(LENGTH_NORMS),
+        "timestep_eps": number(0, 1, low_inclusive=False, high_inclusive=False),
+    }
+
     def __post_init__(self):
         super().__post_init__()
-        if self.num_mc_samples < 1:
-            raise ValueError(f"`num_mc_samples` must be at least 1, got {self.num_mc_samples}.")
-        if not 0.0 < self.timestep_eps < 1.0:
-            raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
-        for name, choices in (("mask_sampler", SAMPLERS), ("length_norm", LENGTH_NORMS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {choices}.")
         if self.mask_sampler in QUADRATURE_RULES:
             num_nodes = len(QUADRATURE_RULES[self.mask_sampler][0])
             if self.num_mc_samples % num_nodes != 0:

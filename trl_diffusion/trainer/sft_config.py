@@ -8,7 +8,15 @@ from typing import ClassVar
 from trl import SFTConfig
 
 from ..utils.deprecation import renamed_fields
-from ..validation import check_unsupported_fields, choose_config_defaults
+from ..validation import (
+    TRAINING_ARGUMENTS_RULES,
+    FieldRule,
+    check_field_rules,
+    check_unsupported_fields,
+    choose_config_defaults,
+    integer,
+    number,
+)
 
 
 @renamed_fields({"completion_length": "max_completion_length"})
@@ -110,15 +118,22 @@ class DiffusionSFTConfig(SFTConfig):
         ),
     }
 
+    # Type and range of each numeric field: name -> rule, checked at the start of `__post_init__` (see
+    # `DiffusionRLConfig.field_rules`). `loss_type` is `unsupported_fields`'.
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        **TRAINING_ARGUMENTS_RULES,
+        "mask_token_id": integer(0, optional=True, note="None reads it from the model"),
+        "timestep_eps": number(0, 1, low_inclusive=False, high_inclusive=False, note="the smallest masking ratio"),
+        "max_completion_length": integer(1, optional=True, note="None: the longest completion of each batch"),
+        "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
+        "max_length": integer(1, optional=True, note="None: the model's context length"),
+        "dataset_num_proc": integer(1, optional=True),
+    }
+
     def __post_init__(self):
         choose_config_defaults(self)
+        check_field_rules(self)
         super().__post_init__()
-        if not 0.0 < self.timestep_eps < 1.0:
-            raise ValueError(f"`timestep_eps` must lie in (0, 1), got {self.timestep_eps}.")
-        for name in ("max_completion_length", "max_prompt_length", "max_length"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"`{name}` must be a positive integer or None, got {value}.")
         check_unsupported_fields(self, "DiffusionSFTTrainer")
         # TRL's `None` guesses from the dataset; the prompt must always be told apart from the completion.
         self.completion_only_loss = True

@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS
+from ..validation import FieldRule, choice, number
 from .sequence_elbo_config import SequenceELBOConfig
 
 NEGATIVE_BOUNDS = ("mix", "eubo", "elbo", "none")
@@ -84,14 +85,14 @@ class SPGConfig(SequenceELBOConfig):
         "ref_model_sync_steps": ((512,), "SPG has no reference model"),
     }
 
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "negative_bound": choice(NEGATIVE_BOUNDS),
+        "eubo_beta": number(1, note="the order of the upper bound"),
+        "eubo_mix_weight": number(0, 1),
+    }
+
     def __post_init__(self):
         super().__post_init__()
-        if self.negative_bound not in NEGATIVE_BOUNDS:
-            raise ValueError(f"Unknown `negative_bound` {self.negative_bound!r}: choose one of {NEGATIVE_BOUNDS}.")
-        if not 1.0 <= self.eubo_beta < float("inf"):
-            raise ValueError(f"`eubo_beta` (the order of the upper bound) must be at least 1, got {self.eubo_beta}.")
-        if not 0.0 <= self.eubo_mix_weight <= 1.0:
-            raise ValueError(f"`eubo_mix_weight` must lie in [0, 1], got {self.eubo_mix_weight}.")
         if self.mask_sampler == "coupled":
             raise ValueError(
                 "`mask_sampler='coupled'` scores each token in one of two complementary passes, which the upper "

@@ -6,6 +6,7 @@ from typing import ClassVar
 from ..generation import DiffusionGenerationConfig
 from ..masking import ELBO_REGIONS
 from ..trajectory import MONTE_CARLO_SELECTIONS, TRANSITION_SELECTIONS
+from ..validation import FieldRule, choice, integer, number
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 RATIO_LEVELS = ("token", "transition")
@@ -162,22 +163,21 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
         ),
     }
 
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "transition_grouping": integer(1, note="denoising steps per transition"),
+        "transition_selection": choice(TRANSITION_SELECTIONS),
+        "num_selected_transitions": integer(1),
+        "ratio_level": choice(RATIO_LEVELS),
+        "old_logprobs": choice(OLD_LOGPROB_SOURCES),
+        "kl_target": choice(KL_TARGETS),
+        "kl_estimator": choice(TRAJECTORY_KL_ESTIMATORS),
+        "transition_reduction": choice(TRANSITION_REDUCTIONS),
+        "pass_reward_threshold": number(note="the reward from which a completion counts as a pass"),
+        "transitions_per_forward": integer(1, note="(completion, transition) states per forward and backward"),
+    }
+
     def __post_init__(self):
         super().__post_init__()
-        choices = {
-            "transition_selection": TRANSITION_SELECTIONS,
-            "ratio_level": RATIO_LEVELS,
-            "old_logprobs": OLD_LOGPROB_SOURCES,
-            "kl_target": KL_TARGETS,
-            "kl_estimator": TRAJECTORY_KL_ESTIMATORS,
-            "transition_reduction": TRANSITION_REDUCTIONS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: choose one of {allowed}.")
-        for name in ("transition_grouping", "num_selected_transitions", "transitions_per_forward"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be at least 1, got {getattr(self, name)}.")
         if self.pass_rate_range is not None:
             low_high = [float(value) for value in self.pass_rate_range]
             if len(low_high) != 2 or not 0.0 <= low_high[0] <= low_high[1] <= 1.0:

@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..validation import FieldRule, number
 from .base_config import DiffusionRLConfig, refused_token_loss_fields
 
 
@@ -58,10 +59,7 @@ class WD1Config(DiffusionRLConfig):
         "ref_model_mixup_alpha": ((0.6,), "wd1 has no reference model"),
         "ref_model_sync_steps": ((512,), "wd1 has no reference model"),
     }
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 <= self.p_mask_prompt < 1.0:
-            raise ValueError(f"`p_mask_prompt` must lie in [0, 1), got {self.p_mask_prompt}.")
-        if not 0.0 < self.psi < float("inf"):
-            raise ValueError(f"`psi` (the inverse temperature of the weights) must be positive, got {self.psi}.")
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "psi": number(0, low_inclusive=False, note="the inverse temperature of the weights"),
+        "p_mask_prompt": number(0, 1, high_inclusive=False),
+    }
