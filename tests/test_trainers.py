@@ -10,6 +10,7 @@ import copy
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -454,6 +455,70 @@ def test_infinite_reward_is_unscored_and_counted(tiny_llada_dir, tmp_path):
     torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
     assert trainer._metrics["train"]["rewards/infinite_reward/infinite"] == [2.0]
     assert math.isfinite(trainer._metrics["train"]["reward"][-1])
+
+
+@pytest.mark.parametrize("name", list(TRAINERS))
+def test_an_infinite_reward_unscores_its_row_not_its_group_in_every_trainer(name, tiny_llada_dir, tmp_path):
+    """One +inf in a group of rewards [inf, 1, 2, 3]: that row's advantage is 0 and the other three are centred on
+    their own mean (2), in every trainer family; the row is counted."""
+
+    def one_infinite(completions, **kwargs):
+        return [float("inf") if i == 0 else float(i % 4) for i in range(len(completions))]
+
+    trainer = make_trainer(name, tiny_llada_dir, make_args(name, tmp_path), reward_funcs=one_infinite)
+    advantages = rollout_batch(trainer)["advantages"].cpu().view(-1, 4)
+    assert advantages[0, 0] == 0
+    assert advantages[0, 1] < 0 and advantages[0, 3] > 0
+    torch.testing.assert_close(advantages[0, 1] + advantages[0, 3], torch.tensor(0.0), atol=1e-5, rtol=0)
+    assert advantages[0, 2].abs() < 1e-5
+    assert trainer._metrics["train"]["rewards/one_infinite/infinite"] == [1.0]
+
+
+@pytest.mark.parametrize(
+    "as_array",
+    [
+        lambda values: np.asarray(values, dtype="float64"),
+        lambda values: torch.tensor(values),
+        lambda values: [torch.tensor(value) for value in values],
+        tuple,
+    ],
+    ids=["numpy", "tensor", "list-of-0d-tensors", "tuple"],
+)
+def test_array_like_rewards_are_read_as_lists(as_array, tiny_llada_dir, tmp_path):
+    """A reward function may return a 1-D NumPy array or torch tensor (a crash before: `Boolean value of Tensor ...
+    is ambiguous`), a tuple, or 0-d tensors: the advantages are those of the same rewards as a list."""
+
+    def as_list(completions, **kwargs):
+        return [float(i % 3) for i in range(len(completions))]
+
+    def as_other(completions, **kwargs):
+        return as_array(as_list(completions))
+
+    expected = rollout_batch(make_trainer("vrpo", tiny_llada_dir, make_args("vrpo", tmp_path), reward_funcs=as_list))
+    actual = rollout_batch(make_trainer("vrpo", tiny_llada_dir, make_args("vrpo", tmp_path), reward_funcs=as_other))
+    torch.testing.assert_close(actual["advantages"], expected["advantages"])
+
+
+@pytest.mark.parametrize(
+    ("returned", "match"),
+    [
+        (lambda n: np.zeros((n, 1)), r"'odd_reward' returned an array of shape \(4, 1\)"),
+        (lambda n: torch.zeros(n, 2), r"'odd_reward' returned an array of shape \(4, 2\)"),
+        (lambda n: {"reward": 1.0}, "'odd_reward' returned dict"),
+        (lambda n: "1111", "'odd_reward' returned str"),
+        (lambda n: 1.0, "'odd_reward' returned float"),
+        (lambda n: None, "'odd_reward' returned NoneType"),
+        (lambda n: [torch.zeros(2)] * n, "'odd_reward' returned tensor"),
+    ],
+    ids=["2d-array", "2d-tensor", "dict", "str", "scalar", "None", "1d-tensor-elements"],
+)
+def test_rewards_of_another_shape_or_type_are_refused_naming_the_function(returned, match, tiny_llada_dir, tmp_path):
+    def odd_reward(completions, **kwargs):
+        return returned(len(completions))
+
+    trainer = make_trainer("vrpo", tiny_llada_dir, make_args("vrpo", tmp_path, max_steps=1), reward_funcs=odd_reward)
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
 
 
 @pytest.mark.parametrize("failure", ["raises", "returns None"])

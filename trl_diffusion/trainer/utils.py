@@ -13,25 +13,58 @@ import torch
 from trl.trainer.utils import get_config_model_id
 
 
+def reward_list(rewards, name: str, expected: int) -> list[float | None]:
+    """A reward function's output as the list TRL reads: a list or tuple of numbers and `None`s, or a 1-D torch tensor
+    or NumPy array (anything with `ndim` and `tolist`), of one reward per completion; 0-d tensors count as numbers.
+
+    Args:
+        rewards:
+            What the reward function returned.
+        name (`str`):
+            The reward function's name, for the error.
+        expected (`int`):
+            The number of completions.
+
+    Raises:
+        ValueError: another type, another shape or length, or an element that is neither a number nor `None`.
+    """
+    if hasattr(rewards, "ndim") and hasattr(rewards, "tolist"):
+        if rewards.ndim != 1:
+            raise ValueError(
+                f"The reward function {name!r} returned an array of shape {tuple(rewards.shape)} for {expected} "
+                "completions: it must return one reward per completion (a list, or a 1-D tensor or array)."
+            )
+        rewards = rewards.tolist()
+    if not isinstance(rewards, (list, tuple)):
+        raise ValueError(
+            f"The reward function {name!r} returned {type(rewards).__name__} {rewards!r:.80}: it must return a list "
+            f"of {expected} rewards (numbers, or None for a completion it does not score), or a 1-D tensor or array."
+        )
+    if len(rewards) != expected:
+        raise ValueError(
+            f"The reward function {name!r} returned {len(rewards)} rewards for {expected} completions: "
+            "it must return one reward (or None) per completion."
+        )
+    checked = []
+    for index, reward in enumerate(rewards):
+        if isinstance(reward, torch.Tensor) and reward.numel() == 1 and reward.ndim == 0:
+            reward = reward.item()
+        if reward is not None and not isinstance(reward, numbers.Real):
+            raise ValueError(
+                f"The reward function {name!r} returned {reward!r:.80} ({type(reward).__name__}) for completion "
+                f"{index}: a reward must be a number, or None for a completion it does not score (convert it, e.g. "
+                "`float(...)`)."
+            )
+        checked.append(reward)
+    return checked
+
+
 def guard_reward_function(func, on_error):
     """Wraps a reward function so that an exception costs its batch (rewards `None`, i.e. unscored) instead of the
     run, and a wrong number of rewards raises a clear error. Keeps the name and the sync/async nature TRL reads."""
 
     def checked(rewards, kwargs):
-        expected = len(kwargs["prompts"])
-        if rewards is not None and len(rewards) != expected:
-            raise ValueError(
-                f"The reward function {func.__name__!r} returned {len(rewards)} rewards for {expected} completions: "
-                "it must return one reward (or None) per completion."
-            )
-        for index, reward in enumerate(rewards or []):
-            if reward is not None and not isinstance(reward, (numbers.Real, torch.Tensor)):
-                raise ValueError(
-                    f"The reward function {func.__name__!r} returned {reward!r} ({type(reward).__name__}) for "
-                    f"completion {index}: a reward must be a number, or None for a completion it does not score "
-                    "(convert it, e.g. `float(...)`)."
-                )
-        return rewards
+        return reward_list(rewards, func.__name__, len(kwargs["prompts"]))
 
     if asyncio.iscoroutinefunction(func):
 
