@@ -290,6 +290,23 @@ def test_sft_learns_the_format_and_greedy_generation_reproduces_it(tiny_tokenize
     assert reproduced >= 24, list(zip(texts, words, strict=True))
 
 
+def test_resuming_a_finished_run_trains_nothing(tiny_llada_dir, tmp_path):
+    """Resumed at `max_steps` (its last checkpoint), SFT takes no step past it: global step 2, the checkpoint's
+    weights unchanged."""
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, per_device_train_batch_size=1)
+    finished = DiffusionSFTTrainer(model=tiny_llada_dir, args=args, train_dataset=standard_dataset())
+    finished.train()
+    resumed = DiffusionSFTTrainer(
+        model=tiny_llada_dir,
+        args=make_args(tmp_path, max_steps=2, per_device_train_batch_size=1),
+        train_dataset=standard_dataset(),
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+    final = dict(finished.model.named_parameters())
+    assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
+
+
 def test_gradient_accumulation_matches_one_large_batch(tiny_llada, tiny_tokenizer, tmp_path, monkeypatch):
     """The loss is the mean over completions: with the same noise for every row, two micro-batches of 2 accumulated
     take the same SGD step as one batch of 4."""

@@ -318,6 +318,24 @@ def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     assert not (tmp_path / "resumed" / "checkpoint-1").exists()
 
 
+@pytest.mark.parametrize("name", ["bgpo", "diffu_grpo", "trace_rl"])
+def test_resuming_a_finished_run_trains_nothing(name, tiny_llada_dir, tmp_path, caplog):
+    """Resumed from its last checkpoint (`global_step == max_steps`), a finished run rolls out nothing and takes no
+    step (transformers' loop alone trained one step past `max_steps`), keeps the checkpoint's weights and says so."""
+    args = make_args(name, tmp_path, save_strategy="steps", save_steps=2, max_steps=2)
+    finished = make_trainer(name, tiny_llada_dir, args)
+    finished.train()
+    counter = StepCounter()
+    resumed = make_trainer(name, tiny_llada_dir, make_args(name, tmp_path, max_steps=2), callbacks=[counter])
+    rollouts = capture_rollouts(resumed)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2 and counter.steps == 0 and not rollouts
+    assert "it is finished" in caplog.text
+    final = dict(finished.model.named_parameters())
+    assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
+
+
 # Rollout rounds that span several optimiser steps: inner iterations (mu = 2; ESPO's default mu = 8), or more
 # micro-batches per rollout than per optimiser step (steps_per_generation = 2 with GA = 1).
 ROUND_CASES = {

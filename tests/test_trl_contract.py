@@ -23,6 +23,7 @@ from trl_diffusion.trainer import (
     base_trainer,
 )
 from trl_diffusion.trainer.base_trainer import TRL_ATTRIBUTES, TRL_CONTRACT, TRLContractMixin, trl_contract_drift
+from trl_diffusion.trainer.utils import FinishedRunMixin
 
 from helpers import tiny_grpo_config, tiny_trainer
 
@@ -67,8 +68,10 @@ def test_every_override_of_a_trl_method_is_in_the_contract(trainer_class):
 
 def test_the_mixin_overrides_exactly_the_recorded_methods():
     shared = {name for name in vars(TRLContractMixin) if name in TRL_CONTRACT}
-    # `_compute_loss` is each algorithm's objective, not the mixin's; `_save_checkpoint` is LFPO's (its old policy).
-    assert shared == set(TRL_CONTRACT) - {"_compute_loss", "_save_checkpoint"}
+    # `_compute_loss` is each algorithm's objective, not the mixin's; `_save_checkpoint` is LFPO's (its old policy);
+    # `_run_epoch` is `FinishedRunMixin`'s, which the SFT trainer shares.
+    assert shared == set(TRL_CONTRACT) - {"_compute_loss", "_save_checkpoint", "_run_epoch"}
+    assert "_run_epoch" in vars(FinishedRunMixin)
 
 
 def test_the_trl_attributes_the_trainers_use_exist(tiny_llada_dir, tmp_path):

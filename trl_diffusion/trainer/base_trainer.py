@@ -42,6 +42,7 @@ from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, deri
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
 from .base_config import DiffusionRLConfig
 from .utils import (
+    FinishedRunMixin,
     activation_checkpointing_disabled,
     batch_to,
     check_processing_class,
@@ -96,6 +97,20 @@ TRL_CONTRACT = {  # fmt: skip
     "_save_checkpoint": ("self", "model", "trial"),
     "_save_rng_state": ("self", "output_dir"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_run_epoch": (
+        "self",
+        "model",
+        "epoch",
+        "train_dataloader",
+        "steps_in_epoch",
+        "num_update_steps_per_epoch",
+        "trial",
+        "ignore_keys_for_eval",
+        "start_time",
+        "resume_from_checkpoint",
+        "epochs_trained",
+        "steps_trained_in_current_epoch",
+    ),
 }
 
 
@@ -158,6 +173,7 @@ class TRLContractMixin:
     - `_save_rng_state` and `_load_optimizer_and_scheduler` add the rollout round in progress and the
       reward-failure counters to checkpoints (the model card comes with `save_model`, which the checkpoint calls:
       `trl_diffusion.model_card.DiffusionModelCardMixin`).
+    - `_run_epoch` (transformers'; [`FinishedRunMixin`]) trains nothing when the run resumed at `max_steps`.
 
     It also reads and writes these attributes of TRL's trainer (`TRL_ATTRIBUTES`, checked by the same test): the
     micro-step counter `_step` and the rollout buffer `_buffered_inputs` (resume inside a rollout round),
@@ -376,7 +392,7 @@ def trl_contract_drift() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     return drift
 
 
-class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, TRLContractMixin, GRPOTrainer):
+class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, TRLContractMixin, GRPOTrainer):
     """The shared base of the trl_diffusion RL trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
 
     It is not an algorithm by itself. What it changes relative to `GRPOTrainer`: completions come from the denoising

@@ -29,7 +29,7 @@ from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter
 from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
-from .utils import check_processing_class
+from .utils import FinishedRunMixin, check_processing_class
 
 # Rows read at a time when checking the lengths of a dataset.
 _LENGTH_CHECK_BATCH_SIZE = 10_000
@@ -137,7 +137,7 @@ def _split_at_completion(example: dict) -> dict:
     return {"prompt_ids": example["input_ids"][:prompt_length], "completion_ids": example["input_ids"][prompt_length:]}
 
 
-class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, SFTTrainer):
+class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, SFTTrainer):
     r"""Completion-only supervised fine-tuning of a masked diffusion language model, as LLaDA (and d1, before RL) do.
 
     For each completion a masking ratio `t ~ U(timestep_eps, 1)` is drawn and each completion token is replaced by

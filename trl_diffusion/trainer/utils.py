@@ -5,12 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import numbers
 import warnings
 from contextlib import contextmanager
 
 import torch
 from trl.trainer.utils import get_config_model_id
+
+logger = logging.getLogger(__name__)
+
+
+class FinishedRunMixin:
+    """A `Trainer` that trains nothing when it resumes a finished run (a checkpoint at `max_steps`): transformers'
+    epoch loop checks `max_steps` only after a step, so it would train one step (for GRPO, a rollout and a step)
+    past `max_steps`."""
+
+    def _run_epoch(self, *args, **kwargs):
+        if 0 < self.state.max_steps <= self.state.global_step:
+            logger.warning(
+                "The run resumed at step %d, which is `max_steps`: it is finished, nothing more is trained (raise "
+                "`max_steps` to train on).",
+                self.state.global_step,
+            )
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
 
 
 def reward_list(rewards, name: str, expected: int) -> list[float | None]:
