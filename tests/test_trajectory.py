@@ -11,6 +11,7 @@
 - Memory: the saved-for-backward bytes of a loss piece do not grow with the number of denoising steps.
 """
 
+import logging
 import math
 
 import pytest
@@ -633,6 +634,56 @@ def test_pass_rate_filter_drops_prompts_outside_the_range(tiny_llada_dir, tmp_pa
     assert not inputs["pass_kept"].any()
     loss, grads = _loss_and_gradients(trainer, inputs)
     assert loss == 0 and all((grad == 0).all() for grad in grads.values())
+
+
+def never_passes(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_a_filter_that_keeps_nothing_warns_and_stops_the_run(tiny_llada_dir, tmp_path, caplog):
+    """TraceRL's default filter [0.2, 0.8] with a reward that never reaches `pass_reward_threshold`: every prompt is
+    left out and nothing trains. Each such rollout batch is a warning, and `max_consecutive_filtered_batches` of them
+    in a row stop the run with an error that names the settings (it finished with the parameters unmoved)."""
+    trainer = make_trainer(
+        TraceRLConfig,
+        TraceRLTrainer,
+        tiny_llada_dir,
+        tmp_path,
+        reward_funcs=never_passes,
+        beta=0.0,
+        max_steps=3,
+        max_consecutive_filtered_batches=2,
+    )
+    assert trainer.args.pass_rate_range == (0.2, 0.8)
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="pass_reward_threshold") as raised:
+        trainer.train()
+    assert "max_consecutive_filtered_batches" in str(raised.value) and "[0.2, 0.8]" in str(raised.value)
+    assert trainer.state.global_step == 1
+    warnings = [record for record in caplog.records if "pass-rate filter kept no prompt" in record.getMessage()]
+    assert len(warnings) == 1 and "1 in a row" in warnings[0].getMessage()
+
+
+def test_a_filter_that_keeps_something_resets_the_count(tiny_llada_dir, tmp_path):
+    """Batches that keep nothing, then one that keeps a prompt, then more that keep nothing: the count restarts."""
+    passes = iter([False, True, False, False, False])
+
+    def sometimes(completions, **kwargs):  # pass rate 0, or 1/4 (kept) when it passes
+        passing = next(passes)
+        return [1.0 if passing and i % 4 == 0 else 0.0 for i in range(len(completions))]
+
+    trainer = make_trainer(
+        TraceRLConfig,
+        TraceRLTrainer,
+        tiny_llada_dir,
+        tmp_path,
+        reward_funcs=sometimes,
+        beta=0.0,
+        max_steps=5,
+        max_consecutive_filtered_batches=3,
+    )
+    with pytest.raises(RuntimeError, match="3 in a row"):
+        trainer.train()
+    assert trainer.state.global_step == 4
 
 
 def test_lookahead_advantages_match_egspo_sa(tiny_llada_dir, tmp_path):

@@ -67,6 +67,9 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             A completion passes when its reward is at least `pass_reward_threshold`. `None` keeps every prompt.
         pass_reward_threshold (`float`, *optional*, defaults to `1.0`):
             Reward from which a completion counts as a pass (1.0: a correctness reward).
+        max_consecutive_filtered_batches (`int`, *optional*, defaults to `10`):
+            Stop training with an error when the pass-rate filter keeps no prompt (so nothing trains) in this many
+            consecutive rollout batches; each such batch is logged as a warning. `None` never stops.
         transitions_per_forward (`int`, *optional*, defaults to `8`):
             (completion, transition) states per forward and backward: the loss is back-propagated chunk by chunk,
             so activation memory does not grow with the number of denoising steps.
@@ -132,6 +135,13 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
     pass_reward_threshold: float = field(
         default=1.0, metadata={"help": "Reward from which a completion counts as a pass."}
     )
+    max_consecutive_filtered_batches: int | None = field(
+        default=10,
+        metadata={
+            "help": "Stop training when the pass-rate filter keeps no prompt in this many consecutive rollout "
+            "batches (nothing trains on them). None never stops."
+        },
+    )
     transitions_per_forward: int = field(
         default=8, metadata={"help": "(completion, transition) states per forward and backward."}
     )
@@ -173,6 +183,7 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
         "kl_estimator": choice(TRAJECTORY_KL_ESTIMATORS),
         "transition_reduction": choice(TRANSITION_REDUCTIONS),
         "pass_reward_threshold": number(note="the reward from which a completion counts as a pass"),
+        "max_consecutive_filtered_batches": integer(1, optional=True, note="rollout batches; None never stops"),
         "transitions_per_forward": integer(1, note="(completion, transition) states per forward and backward"),
     }
 

@@ -4,6 +4,7 @@ committed, back-propagated a chunk of transitions at a time."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +24,8 @@ from ..trajectory import (
 )
 from .base_trainer import DiffusionRLTrainer
 from .trajectory_config import TrajectoryRLConfig
+
+logger = logging.getLogger(__name__)
 
 
 class TrajectoryRLTrainer(DiffusionRLTrainer):
@@ -84,6 +87,7 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
                 "`old_logprobs='recompute'`."
             )
         self._rollout_rewards: torch.Tensor | None = None
+        self._filtered_batches = 0  # consecutive rollout batches of which the pass-rate filter kept nothing
 
     # ------------------------------------------------------------------ rollouts
 
@@ -119,6 +123,31 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         low, high = self.args.pass_rate_range
         kept = (rate >= low) & (rate <= high) & scored.view(-1, group_size).any(1)
         return kept.repeat_interleave(group_size)
+
+    def _check_pass_filter(self, kept: torch.BoolTensor) -> None:
+        """Warns when the pass-rate filter kept no prompt of the rollout batch (nothing trains on it), and raises once
+        `max_consecutive_filtered_batches` batches in a row kept none (the same on every process: `kept` is gathered)."""
+        if kept.any():
+            self._filtered_batches = 0
+            return
+        self._filtered_batches += 1
+        rewards = self._rollout_rewards[~torch.isnan(self._rollout_rewards)]
+        spread = f"from {rewards.min().item():.4g} to {rewards.max().item():.4g}" if rewards.numel() else "none scored"
+        low, high = self.args.pass_rate_range
+        message = (
+            f"The pass-rate filter kept no prompt of this rollout batch ({self._filtered_batches} in a row): every "
+            f"group's pass rate (the share of its completions with a reward >= `pass_reward_threshold` = "
+            f"{self.args.pass_reward_threshold:g}) lies outside `pass_rate_range` = [{low:g}, {high:g}], so nothing "
+            f"trains on it. The batch's rewards: {spread}."
+        )
+        limit = self.args.max_consecutive_filtered_batches
+        if limit is not None and self._filtered_batches >= limit:
+            raise RuntimeError(
+                f"{message} Stopped after {limit} such batches: check that the reward can reach "
+                "`pass_reward_threshold`, widen `pass_rate_range` (None keeps every prompt), or raise "
+                "`max_consecutive_filtered_batches` (None never stops)."
+            )
+        logger.warning(message)
 
     # ------------------------------------------------------------------ transitions
 
@@ -187,6 +216,7 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         scores = {"transition_index": plan.transition_index, "transition_state_step": plan.state_step}
         if self.args.pass_rate_range is not None and mode == "train":
             kept = self.kept_by_pass_rate(self._rollout_rewards)
+            self._check_pass_filter(kept)
             num_rows = plan.transition_index.shape[0]
             first_row = self.accelerator.process_index * num_rows
             scores["pass_kept"] = kept[first_row : first_row + num_rows].to(plan.transition_index.device)
