@@ -33,7 +33,6 @@ IDS = [config_class.__name__ for config_class in CONFIG_CLASSES]
 NOT_IN_THE_LAYER = {
     "pad_to_multiple_of": "int, 'auto' or None: TRL resolves 'auto' and parses the string form itself",
     "torch_empty_cache_steps": "transformers refuses anything but a positive int, naming it",
-    "reward_weights": "a list, one weight per reward function: TRL's trainer checks its length",
     "pass_rate_range": "a pair: the trajectory config checks 0 <= low <= high <= 1",
     "coupled_t_range": "a pair: the coupled-GRPO config checks 0 < low <= high < 1",
 }
@@ -62,6 +61,8 @@ def bad_values(rule: FieldRule) -> list:
         values.append(rule.high if not rule.high_inclusive else rule.high + 1)
     if not rule.optional:
         values.append(None)
+    if rule.each:  # a list field: the same values as its elements too
+        values += [[1.0, value] for value in values]
     return [value for value in values if not rule.accepts(value)]
 
 

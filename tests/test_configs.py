@@ -231,7 +231,7 @@ SPECS = {
         changes=frozenset({"transition_grouping", "transition_selection", "num_selected_transitions", "ratio_level"})
         | {"old_logprobs", "kl_target", "kl_estimator", "transition_reduction", "score_at_sampling_temperature"}
         | {"pass_rate_range", "pass_reward_threshold", "transitions_per_forward", "use_bias_correction_kl"}
-        | {"elbo_region"},
+        | {"elbo_region", "max_consecutive_filtered_batches"},
         defaults=dict(
             transition_grouping=1,
             transition_selection="all",
@@ -244,6 +244,7 @@ SPECS = {
             score_at_sampling_temperature=True,
             pass_rate_range=None,
             pass_reward_threshold=1.0,
+            max_consecutive_filtered_batches=10,
             transitions_per_forward=8,
             use_bias_correction_kl=False,
             elbo_region="answer",
@@ -370,6 +371,7 @@ CLI_VALUES = {
     "num_selected_transitions": 4,
     "pass_rate_range": (0.2, 0.8),
     "pass_reward_threshold": 0.5,
+    "max_consecutive_filtered_batches": 3,
     "transitions_per_forward": 4,
     "lookahead_return_weight": 0.5,
 }

@@ -34,8 +34,16 @@ def d1_args(output_dir, **settings):
         (dict(temperature=math.nan), "`temperature` must be a finite number"),
         (dict(temperature=math.inf), "`temperature` must be a finite number"),
         (dict(cfg_scale=math.nan), "`cfg_scale` must be a finite number"),
-        (dict(max_completion_length=32.0), r"`max_completion_length` must be an integer, got 32.0 \(float\)"),
+        (dict(max_completion_length=32.0), r"`max_completion_length` must be an integer >= 1, got 32.0 \(float\)"),
         (dict(diffusion_steps=16.0), r"`diffusion_steps` must be an integer"),
+        # Accepted before the field rules: a bool is not a number, and EOSER's gamma_max was read only with a minimum.
+        (dict(temperature=True), r"`temperature` must be a finite number >= 0 .*got True \(bool\)"),
+        (dict(cfg_scale=True), r"`cfg_scale` must be a finite number"),
+        (dict(threshold=True), r"`threshold` must be a finite number in \(0, 1\]"),
+        (dict(eos_rejection_max=math.nan), r"`eos_rejection_max` must be a finite number in \(0, 1\]"),
+        (dict(stop_patience=2.0), r"`stop_patience` must be an integer >= 1"),
+        (dict(seed=1.5), r"`seed` must be an integer"),
+        (dict(eos_rejection_min=0.5, eos_rejection_max=0.2), r"0 < `eos_rejection_min` <= `eos_rejection_max`"),
     ],
 )
 def test_sampler_settings_are_checked(settings, match):

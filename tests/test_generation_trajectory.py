@@ -322,10 +322,13 @@ def test_eos_rejection_on_the_tiny_model_delays_terminators(sharp_llama, tiny_to
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"eos_rejection_min": 0.0}, "0 < `eos_rejection_min`"),
-        ({"eos_rejection_min": -0.1}, "0 < `eos_rejection_min`"),
+        ({"eos_rejection_min": 0.0}, r"`eos_rejection_min` must be a finite number in \(0, 1\]"),
+        ({"eos_rejection_min": -0.1}, r"`eos_rejection_min` must be a finite number in \(0, 1\]"),
         ({"eos_rejection_min": 0.5, "eos_rejection_max": 0.4}, "<= `eos_rejection_max`"),
-        ({"eos_rejection_min": 0.5, "eos_rejection_max": 1.5}, "<= 1"),
+        (
+            {"eos_rejection_min": 0.5, "eos_rejection_max": 1.5},
+            r"`eos_rejection_max` must be a finite number in \(0, 1\]",
+        ),
         ({"eos_rejection_min": 0.01, "remasking": "entropy"}, "remasking='entropy'"),
         ({"eos_rejection_min": 0.01, "defer_terminators": True}, "defer_terminators"),
     ],

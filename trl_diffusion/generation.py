@@ -18,12 +18,14 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
 from .models.adapter import CanvasCache, DiffusionAdapter
 from .utils.deprecation import renamed_fields
+from .validation import FieldRule, check_field_rules, choice, integer, number
 
 SCHEDULES = ("linear", "cosine", "ascending")
 REMASKING_STRATEGIES = ("low_confidence", "random", "entropy", "margin")
@@ -235,22 +237,27 @@ class DiffusionGenerationConfig:
         default=None, metadata={"help": "Seed of the private generator used when `generate` receives none."}
     )
 
+    # Each field's type and range (`trl_diffusion.validation`); the checks across fields follow in `__post_init__`.
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "max_completion_length": integer(1),
+        "block_length": integer(1),
+        "diffusion_steps": integer(1, optional=True, note="None takes max_completion_length // 2"),
+        "schedule": choice(SCHEDULES),
+        "remasking": choice(REMASKING_STRATEGIES),
+        "temperature": number(0, note="0 is greedy argmax"),
+        "cfg_scale": number(0, note="0 turns guidance off"),
+        "threshold": number(
+            0, 1, low_inclusive=False, optional=True, note="Fast-dLLM uses 0.9; None decodes with the fixed schedule"
+        ),
+        "stop_patience": integer(1, optional=True, note="None turns it off"),
+        "eos_rejection_min": number(0, 1, low_inclusive=False, optional=True, note="CJ-GRPO: 0.01; None is off"),
+        "eos_rejection_max": number(0, 1, low_inclusive=False, note="CJ-GRPO: 1.0"),
+        "generation_cache": choice(CACHE_MODES),
+        "seed": integer(0, optional=True),
+    }
+
     def __post_init__(self):
-        for name in ("max_completion_length", "block_length", "diffusion_steps"):
-            value = getattr(self, name)
-            # A float length (`max_completion_length=128.0`, e.g. from arithmetic) would only fail deep inside torch.
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(
-                    f"`{name}` must be an integer, got {value!r} ({type(value).__name__}): pass int({value!r})."
-                )
-        for name in ("temperature", "cfg_scale"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"`{name}` must be a finite number, got {getattr(self, name)}.")
-        if self.max_completion_length < 1 or self.block_length < 1:
-            raise ValueError(
-                f"`max_completion_length` ({self.max_completion_length}) and `block_length` ({self.block_length}) "
-                "must be positive."
-            )
+        check_field_rules(self)
         if self.max_completion_length % self.block_length != 0:
             raise ValueError(
                 f"`max_completion_length` ({self.max_completion_length}) must be a multiple of `block_length` "
@@ -287,27 +294,14 @@ class DiffusionGenerationConfig:
                     f"({self.block_length - 1}). Use at most diffusion_steps={max_ascending_steps} "
                     f"({self.block_length.bit_length()} per block), or None for the default."
                 )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Unknown `schedule` {self.schedule!r}: choose one of {SCHEDULES}.")
-        if self.remasking not in REMASKING_STRATEGIES:
-            raise ValueError(f"Unknown `remasking` {self.remasking!r}: choose one of {REMASKING_STRATEGIES}.")
-        if self.temperature < 0:
-            raise ValueError(f"`temperature` ({self.temperature}) must be >= 0 (0 is greedy argmax).")
-        if self.cfg_scale < 0:
-            raise ValueError(f"`cfg_scale` ({self.cfg_scale}) must be >= 0 (0 turns guidance off).")
         if self.threshold is not None:
-            if not 0 < self.threshold <= 1:
-                raise ValueError(
-                    f"`threshold` ({self.threshold}) must lie in (0, 1] (Fast-dLLM uses 0.9), or be None to decode "
-                    "with the fixed schedule."
-                )
             if self.remasking not in THRESHOLD_REMASKING_STRATEGIES:
                 raise ValueError(
                     f"`threshold` needs a confidence that is a probability: set `remasking` to one of "
                     f"{THRESHOLD_REMASKING_STRATEGIES} (got {self.remasking!r})."
                 )
         if self.eos_rejection_min is not None:
-            if not 0 < self.eos_rejection_min <= self.eos_rejection_max <= 1:
+            if self.eos_rejection_min > self.eos_rejection_max:
                 raise ValueError(
                     f"EOS early rejection needs 0 < `eos_rejection_min` <= `eos_rejection_max` <= 1 (got "
                     f"{self.eos_rejection_min} and {self.eos_rejection_max}; CJ-GRPO uses 0.01 and 1.0), or "
@@ -331,10 +325,6 @@ class DiffusionGenerationConfig:
                         f"step, and `{name}` decides the count otherwise: set `{name}=None`, or "
                         "`running_confidence=False`."
                     )
-        if self.stop_patience is not None and self.stop_patience < 1:
-            raise ValueError(f"`stop_patience` must be at least 1 (or None to turn it off), got {self.stop_patience}.")
-        if self.generation_cache not in CACHE_MODES:
-            raise ValueError(f"Unknown `generation_cache` {self.generation_cache!r}: choose one of {CACHE_MODES}.")
         if self.generation_cache == "dual" and self.num_blocks == 1:
             raise ValueError(
                 "`generation_cache='dual'` caches the positions after the current block, and with "

@@ -182,6 +182,8 @@ class FieldRule:
             The values of a `choice` field.
         note (`str`, *optional*, defaults to `""`):
             What the value means or the special values do, shown in the message (e.g. "0 disables the KL term").
+        each (`bool`, *optional*, defaults to `False`):
+            The field is a list or tuple, and the rule holds for each of its elements (`reward_weights`).
     """
 
     kind: str
@@ -192,6 +194,7 @@ class FieldRule:
     optional: bool = False
     choices: tuple = ()
     note: str = ""
+    each: bool = False
 
     def describe(self) -> str:
         """What the field must be, e.g. "a finite number in (0, 1)" or "an integer >= 1, or None"."""
@@ -207,6 +210,8 @@ class FieldRule:
                 text += f" {'>=' if self.low_inclusive else '>'} {self.low:g}"
             elif high:
                 text += f" {'<=' if self.high_inclusive else '<'} {self.high:g}"
+        if self.each:
+            text = f"a list, each element {text}"
         if self.optional:
             text += ", or None"
         return f"{text} ({self.note})" if self.note else text
@@ -220,6 +225,9 @@ class FieldRule:
     def accepts(self, value) -> bool:
         if value is None:
             return self.optional
+        if self.each:
+            element = FieldRule(**{**vars(self), "each": False, "optional": False})
+            return isinstance(value, (list, tuple)) and all(element.accepts(item) for item in value)
         if self.kind == "choice":
             # `1 == True`: a bool matches only a bool choice (TRL's `scale_rewards=True`), and a number none.
             return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in self.choices)
@@ -243,8 +251,10 @@ def number(
     high_inclusive: bool = True,
     optional: bool = False,
     note: str = "",
+    each: bool = False,
 ) -> FieldRule:
-    """[`FieldRule`] of a finite number between `low` and `high` (each included unless told otherwise)."""
+    """[`FieldRule`] of a finite number between `low` and `high` (each included unless told otherwise); with `each`,
+    of a list of them."""
     return FieldRule(
         "float",
         low=low,
@@ -253,6 +263,7 @@ def number(
         high_inclusive=high_inclusive,
         optional=optional,
         note=note,
+        each=each,
     )
 
 
@@ -292,7 +303,7 @@ def check_field_rules(config, names: tuple[str, ...] | None = None) -> None:
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
             raise ValueError(f"Unknown `{name}` {value!r}{hint}: choose {rule.describe()}.")
         got = repr(value)
-        if value is not None and not rule.has_type(value):
+        if value is not None and not rule.each and not rule.has_type(value):
             got += f" ({type(value).__name__})"
             # An integral float usually comes from arithmetic (`n / 2`).
             if rule.kind == "int" and isinstance(value, float) and value.is_integer():

@@ -235,6 +235,7 @@ class DiffusionRLConfig(GRPOConfig):
         "mask_token_id": integer(0, optional=True, note="None reads it from the model"),
         "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
         "max_consecutive_failed_reward_steps": integer(1, optional=True, note="rollout batches; None never stops"),
+        "reward_weights": number(optional=True, each=True, note="one weight per reward function; None weighs them 1"),
     }
 
     def __post_init__(self):
