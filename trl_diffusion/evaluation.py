@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -353,7 +353,7 @@ def evaluate_task(
         "rewards": {name: mean([record["rewards"][name] for record in records]) for name in rewards_by_name},
         # The sampler's fields, with the resolved number of steps.
         "generation_config": {
-            **{name: getattr(generation_config, name) for name in generation_config.__dataclass_fields__},
+            **{f.name: getattr(generation_config, f.name) for f in fields(generation_config)},
             "diffusion_steps": generation_config.num_steps,
         },
         "records": records,
