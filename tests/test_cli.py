@@ -30,6 +30,8 @@ from trl_diffusion import BGPOConfig, BGPOTrainer, DiffusionGenerationConfig
 from trl_diffusion import cli as cli_module
 from trl_diffusion.cli import main
 from trl_diffusion.evaluation import TaskEvaluationCallback, evaluate_task
+from trl_diffusion.rewards import REWARD_FUNCS
+from trl_diffusion.rewards.registry import TRL_REWARD_FUNCS, resolve_reward_func
 from trl_diffusion.scripts import eval as eval_script
 from trl_diffusion.scripts import train as train_script
 from trl_diffusion.scripts.eval import EvalScriptArguments
@@ -322,6 +324,28 @@ def test_top_level_help_lists_subcommands(capsys):
     assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="`trl_diffusion/__init__.py` imports `trl_diffusion.models` (the Auto registration), which imports torch",
+)
+def test_top_level_help_imports_no_torch():
+    """`trl-diffusion --help` lists the subcommands (`scripts.registry`, which imports nothing): no torch."""
+    code = (
+        "import contextlib, sys\nfrom trl_diffusion.cli import main\nwith contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\nassert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
+    assert result.returncode == 0, result.stderr
+    assert "diffu_grpo" in result.stdout
+
+
+def test_training_help_imports_no_trainer(monkeypatch):
+    """A training subcommand's parser (its `--help`) is built from the config classes alone."""
+    config_path, _, help_text = TRAINING_COMMANDS["bgpo"]
+    monkeypatch.setitem(TRAINING_COMMANDS, "bgpo", (config_path, "no_such_trainer_module.BGPOTrainer", help_text))
+    assert "reward_funcs" in make_training_parser("bgpo").flags
+
+
 def test_bad_arguments_fail_clearly(tiny_llada_dir, tmp_path):
     with pytest.raises(SystemExit):  # an accelerate flag without --accelerate_config
         main(["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", "countdown", "--num_processes", "2"])
@@ -332,6 +356,35 @@ def test_bad_arguments_fail_clearly(tiny_llada_dir, tmp_path):
         main(
             ["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", str(tmp_path / "data"), *TINY_TRAINING]
         )
+
+
+def test_unknown_reward_name_lists_every_reward_and_the_closest(tiny_llada_dir):
+    """A misspelt `--reward_funcs` names the package's rewards and TRL's, and suggests the closest name."""
+    argv = ["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", "countdown", *TINY_TRAINING]
+    with pytest.raises(ValueError, match="--reward_funcs 'largest_digit'") as error:
+        main([*argv, "--reward_funcs", "largest_digit"])
+    message = str(error.value)
+    assert "did you mean 'largest_digit_reward'" in message
+    assert all(name in message for name in [*REWARD_FUNCS, *TRL_REWARD_FUNCS])
+    # A helper of `trl_diffusion.rewards` is no reward function (another signature): refused by name too.
+    with pytest.raises(ValueError, match="'completion_text' is not a reward function"):
+        resolve_reward_func("completion_text")
+
+
+def test_just_grpo_refuses_a_block_causal_model_naming_the_trainers_that_train_it(tiny_tokenizer, tmp_path):
+    """JustGRPO decodes one position per block, a block-causal model one of its own blocks at a time: the error says
+    JustGRPO cannot train it and names the trainers that can, instead of a `--block_length` JustGRPO refuses."""
+    from trl_diffusion.models import build_tiny_sdar
+
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-sdar")
+    argv = ["just_grpo", "--model_name_or_path", model_dir, "--dataset_name", "countdown"]
+    argv += ["--output_dir", str(tmp_path / "run"), "--max_completion_length", "16", "--num_generations", "4"]
+    argv += ["--num_train_examples", "8", "--use_cpu", "--bf16", "false", "--report_to", "none"]
+    with pytest.raises(ValueError, match="JustGRPO cannot train a block-causal model") as error:
+        main(argv)
+    message = str(error.value)
+    assert "set `block_length`" not in message and "`config.block_size` = 4" in message
+    assert all(f"trl-diffusion {name}" in message for name in ("bgpo", "vrpo", "trace_rl"))
 
 
 def test_presets_ship_in_the_package():

@@ -24,7 +24,6 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from .hub import HubPushError
 from .scripts.registry import TRAINING_COMMANDS
 
 ACCELERATE_CONFIGS = "accelerate_configs"
@@ -195,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
         demo_main(command_argv)
         return 0
+    from .hub import HubPushError
+
     try:
         return run_training(args.command, command_argv)
     except HubPushError as error:  # offline, not logged in, or no network: one line says which and what to do

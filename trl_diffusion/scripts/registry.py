@@ -82,9 +82,13 @@ def _load(path: str) -> type:
     return getattr(importlib.import_module(f"trl_diffusion.trainer.{module}"), name)
 
 
-def trainer_classes(command: str) -> tuple[type, type]:
-    """`(config class, trainer class)` of a training subcommand (imports its modules)."""
+def config_class(command: str) -> type:
+    """The config class of a training subcommand (imports its module only: `--help` needs no trainer)."""
     if command not in TRAINING_COMMANDS:
         raise ValueError(f"Unknown training command {command!r}: choose one of {list(TRAINING_COMMANDS)}.")
-    config_path, trainer_path, _ = TRAINING_COMMANDS[command]
-    return _load(config_path), _load(trainer_path)
+    return _load(TRAINING_COMMANDS[command][0])
+
+
+def trainer_classes(command: str) -> tuple[type, type]:
+    """`(config class, trainer class)` of a training subcommand (imports their modules)."""
+    return config_class(command), _load(TRAINING_COMMANDS[command][1])

@@ -14,15 +14,16 @@ import gc
 import os
 import sys
 
-from .registry import TRAINING_COMMANDS, trainer_classes
+from .registry import TRAINING_COMMANDS, config_class, trainer_classes
 from .utils import LAUNCHED_ENV, DiffusionScriptArguments, DiffusionTrlParser, HelpFormatter
 
 
 def takes_rewards(command: str) -> bool:
-    """Whether the trainer of `command` takes reward functions: an RL trainer (`DiffusionRLTrainer`), not SFT."""
-    from ..trainer import DiffusionRLTrainer
+    """Whether the trainer of `command` takes reward functions: an RL trainer (its config a `DiffusionRLConfig`),
+    not SFT. Read from the config, so that `--help` imports no trainer."""
+    from ..trainer.base_config import DiffusionRLConfig
 
-    return issubclass(trainer_classes(command)[1], DiffusionRLTrainer)
+    return issubclass(config_class(command), DiffusionRLConfig)
 
 
 def make_parser(command: str, prog: str | None = None, description: str | None = None) -> DiffusionTrlParser:
@@ -36,10 +37,9 @@ def make_parser(command: str, prog: str | None = None, description: str | None =
     """
     from trl import ModelConfig
 
-    config_class, _ = trainer_classes(command)
     prog = prog or f"trl-diffusion {command}"
     return DiffusionTrlParser(
-        (DiffusionScriptArguments, config_class, ModelConfig),
+        (DiffusionScriptArguments, config_class(command), ModelConfig),
         # A trainer without reward functions (SFT) reads no `--reward_funcs`.
         omitted_fields=None if takes_rewards(command) else {DiffusionScriptArguments: ("reward_funcs",)},
         prog=prog,

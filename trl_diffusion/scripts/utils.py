@@ -29,9 +29,9 @@ class DiffusionScriptArguments(ScriptArguments):
             A built-in task (`trl_diffusion.tasks.TASKS`: its training split and reward functions) or the Hub id or
             local path of a dataset (`datasets.load_dataset`, or `load_from_disk` for a saved dataset).
         reward_funcs (`list[str]`, *optional*):
-            Reward functions: names in `trl_diffusion.rewards`, TRL's `accuracy_reward`, `reasoning_accuracy_reward`
-            and `think_format_reward`, or dotted import paths (`my_lib.rewards.my_reward`). Replaces a built-in
-            task's rewards. RL subcommands only (`sft` has no flag for it).
+            Reward functions: names in `trl_diffusion.rewards.REWARD_FUNCS`, TRL's `accuracy_reward`,
+            `reasoning_accuracy_reward` and `think_format_reward`, or dotted import paths (`my_lib.rewards.my_reward`).
+            Replaces a built-in task's rewards. RL subcommands only (`sft` has no flag for it).
         num_train_examples (`int`, *optional*):
             Training examples drawn from a built-in task (default: its whole training split).
         eval_every_steps (`int`, *optional*):
@@ -68,8 +68,8 @@ class DiffusionScriptArguments(ScriptArguments):
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Reward functions: names in trl_diffusion.rewards, accuracy_reward, reasoning_accuracy_reward, "
-            "think_format_reward, or dotted import paths. Replaces a built-in task's rewards."
+            "help": "Reward functions: names in trl_diffusion.rewards.REWARD_FUNCS, accuracy_reward, "
+            "reasoning_accuracy_reward, think_format_reward, or dotted import paths. Replaces a built-in task's rewards."
         },
     )
     num_train_examples: int | None = field(
@@ -219,7 +219,7 @@ def _field_group(dtype: type, name: str) -> tuple[int, str]:
         return 0, f"{dtype.__name__}: {getattr(dtype, 'help_group', 'dataset, rewards, evaluation, launch')}"
     owner = next(cls for cls in dtype.__mro__ if name in inspect.get_annotations(cls))
     if owner.__module__.startswith("trl_diffusion."):
-        from ..trainer import DiffusionRLConfig
+        from ..trainer.base_config import DiffusionRLConfig
 
         if owner is DiffusionRLConfig:
             return 1, "diffusion sampler and rollouts (DiffusionRLConfig)"

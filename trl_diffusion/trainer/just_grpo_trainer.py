@@ -75,6 +75,26 @@ class JustGRPOTrainer(DiffusionRLTrainer):
             }"""),
     }
 
+    # The trainers whose rollouts decode a block-causal model's own blocks (tested on SDAR, SDAR-MoE and LLaDA2).
+    BLOCK_CAUSAL_TRAINERS = ("bgpo", "vrpo", "espo", "diffu_grpo", "lfpo", "trace_rl")
+
+    def __init__(self, *args, **kwargs):
+        try:
+            super().__init__(*args, **kwargs)
+        except ValueError:
+            # The parent's sampler check asks for `block_length = config.block_size`, which JustGRPO refuses.
+            adapter = getattr(self, "adapter", None)
+            if adapter is None or adapter.block_size in (None, self.args.block_length):
+                raise
+            trainers = ", ".join(f"`trl-diffusion {name}`" for name in self.BLOCK_CAUSAL_TRAINERS)
+            raise ValueError(
+                "JustGRPO cannot train a block-causal model: this one attends block-causally in blocks of "
+                f"`config.block_size` = {adapter.block_size} positions and is decoded one whole block at a time, "
+                "while JustGRPO's rollouts decode one position per block (`block_length=1`, the only value it "
+                f"accepts). Train it with a trainer that decodes the model's blocks ({trainers}; `sft` for "
+                f"supervised fine-tuning), with `--block_length {adapter.block_size}`."
+            ) from None
+
     # ------------------------------------------------------------------ the exact left-to-right log-probs
 
     def scored_width(self, num_scored: int) -> int:
