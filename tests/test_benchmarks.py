@@ -51,6 +51,8 @@ def test_help(module, capsys):
     assert "--output-dir" in capsys.readouterr().out
 
 
+# Slow (18 s): the suite's 10-minute budget; `make test-slow` runs it.
+@pytest.mark.slow
 def test_memory_smoke(tmp_path):
     memory.main(["--smoke", "--output-dir", str(tmp_path)])
     payload = load_outputs(tmp_path, "memory")
@@ -201,6 +203,8 @@ def test_long_answers(tmp_path):
     assert measures == {"agreement": 6 / 8, "exact": 0.5}
 
 
+# Slow (31 s): the suite's 10-minute budget; `make test-slow` runs it.
+@pytest.mark.slow
 def test_learning_smoke(tmp_path):
     learning.main(["--smoke", "--output-dir", str(tmp_path), "--jobs", "1"])
     payload = load_outputs(tmp_path, "learning")
@@ -292,6 +296,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(run["status"] == "ok" and len(run["losses"]) == 2 for run in runs)
 
 
+# Slow (15 s): the suite's 10-minute budget; `make test-slow` runs it.
+@pytest.mark.slow
 def test_demo_robustness_smoke(tmp_path):
     payload = demo_robustness.main(["--smoke", "--seeds", "1", "--output-dir", str(tmp_path)])
     assert (tmp_path / "demo_robustness.png").read_bytes().startswith(PNG_SIGNATURE)
