@@ -532,7 +532,7 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
         self.adapter = replace(adapter, terminator_ids=terminators)
         self.eos_token_ids = list(terminators)
         self.diffusion_generation_config = args.to_generation_config()
-        self.diffusion_generation_config.check_model(self.adapter)
+        self.check_rollout_model(self.adapter)
         context = self.adapter.context_length
         canvas = args.max_completion_length + (args.max_prompt_length or 0)
         if context is not None and canvas > context:
@@ -543,6 +543,16 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
                 "truncated from the left to `max_prompt_length`)."
             )
         self._eval_rollouts = 0
+
+    def check_rollout_model(self, adapter: DiffusionAdapter) -> None:
+        """Refuses a model the rollouts cannot decode with these sampler settings (a block-causal model's block size
+        and cache: [`DiffusionGenerationConfig.check_model`]); a trainer with its own rollout constraints extends it.
+
+        Args:
+            adapter ([`DiffusionAdapter`]):
+                The model's adapter.
+        """
+        self.diffusion_generation_config.check_model(adapter)
 
     @staticmethod
     def _check_piecewise_step_support(args) -> None:

@@ -78,14 +78,10 @@ class JustGRPOTrainer(DiffusionRLTrainer):
     # The trainers whose rollouts decode a block-causal model's own blocks (tested on SDAR, SDAR-MoE and LLaDA2).
     BLOCK_CAUSAL_TRAINERS = ("bgpo", "vrpo", "espo", "diffu_grpo", "lfpo", "trace_rl")
 
-    def __init__(self, *args, **kwargs):
-        try:
-            super().__init__(*args, **kwargs)
-        except ValueError:
-            # The parent's sampler check asks for `block_length = config.block_size`, which JustGRPO refuses.
-            adapter = getattr(self, "adapter", None)
-            if adapter is None or adapter.block_size in (None, self.args.block_length):
-                raise
+    def check_rollout_model(self, adapter) -> None:
+        # A block-causal model is decoded one whole block of `config.block_size` at a time; JustGRPO decodes one
+        # position per block, so the sampler's own advice (`block_length = block_size`) would fail again here.
+        if adapter.block_size is not None:
             trainers = ", ".join(f"`trl-diffusion {name}`" for name in self.BLOCK_CAUSAL_TRAINERS)
             raise ValueError(
                 "JustGRPO cannot train a block-causal model: this one attends block-causally in blocks of "
@@ -93,7 +89,8 @@ class JustGRPOTrainer(DiffusionRLTrainer):
                 "while JustGRPO's rollouts decode one position per block (`block_length=1`, the only value it "
                 f"accepts). Train it with a trainer that decodes the model's blocks ({trainers}; `sft` for "
                 f"supervised fine-tuning), with `--block_length {adapter.block_size}`."
-            ) from None
+            )
+        super().check_rollout_model(adapter)
 
     # ------------------------------------------------------------------ the exact left-to-right log-probs
 
