@@ -688,7 +688,7 @@ def test_a_filter_that_keeps_something_resets_the_count(tiny_llada_dir, tmp_path
 
 def test_lookahead_advantages_match_egspo_sa(tiny_llada_dir, tmp_path):
     """EGSPO-SA: the greedy fill of each scored state, rewarded, gives returns (R + l (R - r_k)) / (1 + l) whose
-    group mean at each selected index is subtracted."""
+    group mean at each selected index (the j-th highest-entropy step of every completion) is subtracted."""
 
     def reward(completions, **kwargs):
         return [float(sum(map(ord, text)) % 7) for text in completions]
@@ -724,7 +724,8 @@ def test_lookahead_advantages_match_egspo_sa(tiny_llada_dir, tmp_path):
     chosen = []
     for row in range(8):
         mean = transition_entropies(plan, inputs["commit_entropy"])[1][row, : int(plan.num_transitions[row])]
-        kept = sorted(mean.argsort(descending=True, stable=True)[:2].tolist())
+        # EGSPO's slots: torch.topk of the step entropies, highest first (not in time order).
+        kept = torch.topk(mean.double(), k=min(2, len(mean))).indices.tolist()
         chosen.append(kept)
         for slot, transition in enumerate(kept):
             masked = inputs["commit_step"][row] >= plan.state_step[row, transition]
@@ -780,11 +781,31 @@ def test_a_sampler_that_remasks_is_refused(tiny_llada_dir, tmp_path):
         (AGRPOConfig, dict(lookahead_return_weight=0.5), "transition_selection"),
         (AGRPOConfig, dict(score_at_sampling_temperature=False), "score_at_sampling_temperature"),
         (AGRPOConfig, dict(transition_selection="sometimes"), "transition_selection"),
+        # A merged transition is scored on an earlier state than the one the sampler recorded its log-probs on.
+        (TraceRLConfig, dict(old_logprobs="sampler", score_at_sampling_temperature=True), "transition_grouping=8"),
+        (AGRPOConfig, dict(transition_grouping=2), "transition_grouping=2"),
     ],
 )
 def test_invalid_trajectory_configs_are_refused(config_class, overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         tiny_grpo_config(config_class, tmp_path, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "overrides", "warned"),
+    [
+        (CJGRPOConfig, dict(num_selected_transitions=4), "num_selected_transitions=4"),
+        (TraceRLConfig, dict(pass_rate_range=None, pass_reward_threshold=0.5), "pass_reward_threshold=0.5"),
+        (AGRPOConfig, dict(), None),
+        (TraceRLConfig, dict(), None),
+    ],
+)
+def test_inert_trajectory_fields_are_warned_about(config_class, overrides, warned, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion.trainer.trajectory_config"):
+        tiny_grpo_config(config_class, tmp_path, **overrides)
+    messages = [record.getMessage() for record in caplog.records if "has no effect" in record.getMessage()]
+    assert len(messages) == (warned is not None)
+    assert all(warned in message for message in messages)
 
 
 def test_sampler_logprobs_with_an_approximate_cache_are_refused(tiny_llada_dir, tmp_path):

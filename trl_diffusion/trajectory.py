@@ -264,7 +264,8 @@ def select_transitions(
             The offsets u in [0, 1) of the Monte Carlo draws (from the caller's keyed generators).
 
     Returns:
-        [`TransitionSelection`], pairs ordered by row, then by transition for `all` and `top_entropy`.
+        [`TransitionSelection`], pairs ordered by row, then by transition for `all` and by descending mean entropy
+        for `top_entropy`.
     """
     if selection not in TRANSITION_SELECTIONS:
         raise ValueError(f"Unknown transition selection {selection!r}: choose one of {TRANSITION_SELECTIONS}.")
@@ -277,8 +278,8 @@ def select_transitions(
             chosen = torch.arange(count, device=device)
             weight = torch.ones(count, dtype=torch.float64, device=device)
         elif selection == "top_entropy":
-            order = mean_entropy[row, :count].double().argsort(descending=True, stable=True)
-            chosen = order[:num_draws].sort().values
+            # Highest entropy first (EGSPO's `torch.topk`): EGSPO-SA's baseline pairs the completions' k-th slots.
+            chosen = mean_entropy[row, :count].double().argsort(descending=True, stable=True)[:num_draws]
             weight = torch.full((len(chosen),), count / len(chosen), dtype=torch.float64, device=device)
         else:
             if selection == "uniform":

@@ -85,7 +85,8 @@ class AGRPOTrainer(TrajectoryRLTrainer):
         num_rows, width = plan.state_step.shape
         device = plan.state_step.device
         # K slots per row, the same on every process (the rewards are gathered): the row's selected transitions in
-        # order, the unused slots left invalid.
+        # the selection's order (top_entropy: highest entropy first, as EGSPO's code fills its slots, so that the
+        # group mean of slot j is over the completions' j-th most uncertain steps), the unused slots left invalid.
         slots = self.args.num_selected_transitions if self.args.transition_selection == "top_entropy" else width
         slots = int(self.accelerator.gather(torch.tensor([slots], device=device)).max())
         slot_transition = torch.zeros(num_rows, slots, dtype=torch.long, device=device)

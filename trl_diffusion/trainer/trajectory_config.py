@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -14,6 +15,8 @@ OLD_LOGPROB_SOURCES = ("recompute", "sampler")
 KL_TARGETS = ("reference", "old")
 TRAJECTORY_KL_ESTIMATORS = ("k3", "k2")
 TRANSITION_REDUCTIONS = ("sample", "transition", "response", "pooled")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +48,8 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             Where the old log-probs of the ratio come from: `recompute` (the policy that generated the rollouts
             rescores the states under no_grad when rollouts are reused; on-policy the ratio is 1 in value), or
             `sampler` (the log-probs the sampler recorded when it committed each token, AGRPO's and EGSPO's choice:
-            the ratio then also corrects any difference between the rollout's and the training forward).
+            the ratio then also corrects any difference between the rollout's and the training forward; needs
+            `transition_grouping=1`, since a merged transition is scored on an earlier state than the sampler's).
         kl_target (`str`, *optional*, defaults to `"reference"`):
             The policy the `beta` term pulls towards: `reference` (TRL's reference model) or `old` (the old log-probs
             of the ratio: TraceRL's trust region).
@@ -197,6 +201,32 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
                     f"{self.pass_rate_range}."
                 )
             self.pass_rate_range = tuple(low_high)
+        if self.old_logprobs == "sampler" and self.transition_grouping > 1:
+            # A merged transition is scored on the state before its first step; the sampler's log-probs of the
+            # tokens committed at the later steps were taken on later states, so the ratio would not start at 1.
+            raise ValueError(
+                f"`old_logprobs='sampler'` with `transition_grouping={self.transition_grouping}`: a merged "
+                "transition is scored on the state before its first step, while the sampler recorded the log-probs "
+                "of its later tokens on later states, so the ratio is not 1 with the policy unchanged. Set "
+                "`transition_grouping=1`, or `old_logprobs='recompute'`."
+            )
+        defaults = {name: spec.default for name, spec in self.__dataclass_fields__.items()}
+        if (
+            self.transition_selection == "all"
+            and self.num_selected_transitions != defaults["num_selected_transitions"]
+        ):
+            logger.warning(
+                "`num_selected_transitions=%d` has no effect with `transition_selection='all'`: every transition is "
+                "scored. Choose `uniform`, `entropy` or `top_entropy` to select %d.",
+                self.num_selected_transitions,
+                self.num_selected_transitions,
+            )
+        if self.pass_rate_range is None and self.pass_reward_threshold != defaults["pass_reward_threshold"]:
+            logger.warning(
+                "`pass_reward_threshold=%s` has no effect without `pass_rate_range`: no prompt is filtered. Set "
+                "`pass_rate_range` (TraceRL: [0.2, 0.8]) to filter on it.",
+                self.pass_reward_threshold,
+            )
         # The sampler records log-probs at its temperature (1 when greedy).
         sampler_temperature = self.temperature if self.temperature > 0 else 1.0
         if self.old_logprobs == "sampler" and not self.score_at_sampling_temperature and sampler_temperature != 1.0:
