@@ -369,12 +369,12 @@ def independent_loss(trainer, inputs, *, old, ref):
                 if trainer.kl_coefficient:
                     step_loss = step_loss + trainer.kl_coefficient * _k3(logp.sum(), target_kl[row][targets].sum())
                 tokens = step_loss.expand(len(logp))
-            terms.append((index, tokens))
+            terms.append((index, step, tokens))
         per_row.append(terms)
 
     weights = {}  # (row, transition) -> total weight of its draws
     if args.transition_selection == "all":
-        weights = {(row, index): 1.0 for row, terms in enumerate(per_row) for index, _ in terms}
+        weights = {(row, index): 1.0 for row, terms in enumerate(per_row) for index, _, _ in terms}
     elif args.transition_selection == "top_entropy":
         entropy = inputs["commit_entropy"]
         for row, terms in enumerate(per_row):
@@ -415,12 +415,12 @@ def independent_loss(trainer, inputs, *, old, ref):
     reduction = args.transition_reduction
     total = torch.zeros(())
     num_pairs = sum(len(terms) for terms in per_row)
-    pooled_counts = {}
+    pooled_counts = {}  # CJ-GRPO's code pools the tokens of each sampler step over the batch
     for terms in per_row:
-        for index, tokens in terms:
-            pooled_counts[index] = pooled_counts.get(index, 0) + len(tokens)
+        for _, step, tokens in terms:
+            pooled_counts[step] = pooled_counts.get(step, 0) + len(tokens)
     for row, terms in enumerate(per_row):
-        for index, tokens in terms:
+        for index, step, tokens in terms:
             weight = weights.get((row, index), 0.0)
             if reduction == "sample":
                 value = tokens.mean() / len(terms) / num_rows
@@ -429,7 +429,7 @@ def independent_loss(trainer, inputs, *, old, ref):
             elif reduction == "response":
                 value = tokens.sum() / length / num_pairs
             else:
-                value = tokens.sum() / pooled_counts[index] / len(pooled_counts)
+                value = tokens.sum() / pooled_counts[step] / len(pooled_counts)
             total = total + weight * value
     return total
 
@@ -446,6 +446,13 @@ FORMULA_CASES = {
         CJGRPOConfig,
         CJGRPOTrainer,
         dict(transition_reduction="pooled", elbo_region="canvas", block_length=8, diffusion_steps=4),
+    ),
+    # On an EOS-leaning model some steps commit only the unscored fill, so the rows' transitions fall on different
+    # sampler steps: the code pools by step, not by the transition's rank in its row.
+    "cj_grpo-pooled-answer-eos": (
+        CJGRPOConfig,
+        CJGRPOTrainer,
+        dict(transition_reduction="pooled", block_length=8, diffusion_steps=4),
     ),
     "agrpo": (AGRPOConfig, AGRPOTrainer, dict(num_selected_transitions=3)),
     "agrpo-uniform-recompute": (
@@ -480,11 +487,13 @@ FORMULA_CASES["trace_rl-sdar"] = (
 
 
 @pytest.mark.parametrize("case", list(FORMULA_CASES))
-def test_loss_and_gradient_match_the_papers_formula(case, tiny_llada_dir, tiny_tokenizer, tmp_path):
+def test_loss_and_gradient_match_the_papers_formula(case, tiny_llada, tiny_llada_dir, tiny_tokenizer, tmp_path):
     config_class, trainer_class, settings = FORMULA_CASES[case]
     model_dir = tiny_llada_dir
     if case.endswith("-sdar"):
         model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "sdar")
+    if case.endswith("-eos"):
+        model_dir = eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, tmp_path / "eos", eos_weight=0.5)
     trainer = make_trainer(
         config_class,
         trainer_class,
@@ -508,6 +517,9 @@ def test_loss_and_gradient_match_the_papers_formula(case, tiny_llada_dir, tiny_t
     ref = inputs.get("ref_transition_logps", torch.zeros_like(old))
     perturb(trainer.model, std=0.02, seed=1)
     assert (inputs["advantages"] != 0).any()
+    if case.endswith("-eos"):  # some row's k-th transition is not the sampler's k-th step
+        rank = torch.arange(plan.state_step.shape[1]).expand_as(plan.state_step)
+        assert ((plan.state_step >= 0) & (plan.state_step != rank)).any()
 
     loss, grads = _loss_and_gradients(trainer, inputs)
     trainer.model.zero_grad(set_to_none=True)

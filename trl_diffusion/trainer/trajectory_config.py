@@ -60,8 +60,8 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             How token losses add up: `sample` (CJ-GRPO's Eq. 11: token mean per transition, mean over the sample's
             transitions, mean over samples), `transition` (TraceRL: token mean per transition, mean over every
             transition of the batch), `response` (TraceRL's block variant: token sum per transition divided by L,
-            mean over every transition of the batch) or `pooled` (CJ-GRPO's code: per transition index, the token
-            mean over the batch; then the mean over indices).
+            mean over every transition of the batch) or `pooled` (CJ-GRPO's code: per sampler step, the token mean
+            over the batch; then the mean over the steps).
         score_at_sampling_temperature (`bool`, *optional*, defaults to `True`):
             Score tokens under the distribution the sampler drew them from, `softmax(logits / temperature)` (the
             policy the rollouts are a sample of). Off, the untempered softmax is scored, as TraceRL's and CJ-GRPO's

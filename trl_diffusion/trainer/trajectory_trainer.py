@@ -267,11 +267,15 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         )
         num_transitions = (sizes > 0).sum(dim=1).float()
         reduction = self.args.transition_reduction
-        if reduction == "pooled":  # per transition index, the token mean over the batch; then the mean over indices
-            pooled = self.accelerator.pad_across_processes(sizes.sum(dim=0), dim=0)
-            pooled = self.accelerator.gather(pooled[None]).sum(dim=0)[:width]
-            num_indices = (pooled > 0).sum().clamp(min=1)
-            per_transition = (1.0 / (pooled * num_indices)).expand_as(sizes)
+        if reduction == "pooled":
+            # CJ-GRPO's code: per sampler step, the token mean over the batch; then the mean over steps. Keyed by the
+            # step, not the transition's rank in its row: a row whose step committed only unscored fill skips it.
+            step = plan.state_step.clamp(min=0)
+            num_steps = int(self.accelerator.gather(step.max().reshape(1) + 1).max())
+            pooled = torch.zeros(num_steps, device=step.device).scatter_add_(0, step.flatten(), sizes.flatten())
+            pooled = self.accelerator.gather(pooled[None]).sum(dim=0)
+            num_steps_scored = (pooled > 0).sum().clamp(min=1)
+            per_transition = 1.0 / (pooled[step] * num_steps_scored)
         else:
             counts = torch.stack([(num_transitions > 0).sum().float(), num_transitions.sum()])
             num_rows, total_transitions = self.accelerator.gather(counts[None]).sum(dim=0).clamp(min=1)
