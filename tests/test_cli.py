@@ -324,10 +324,6 @@ def test_top_level_help_lists_subcommands(capsys):
     assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`trl_diffusion/__init__.py` imports `trl_diffusion.models` (the Auto registration), which imports torch",
-)
 def test_top_level_help_imports_no_torch():
     """`trl-diffusion --help` lists the subcommands (`scripts.registry`, which imports nothing): no torch."""
     code = (

@@ -1,19 +1,69 @@
 """trl_diffusion: reinforcement learning from verifiable rewards for masked diffusion language models.
 
-Importing the package registers the native LLaDA (`model_type="llada"`) and Dream (`model_type="Dream"`) models with
-the transformers Auto classes, so their published checkpoints load without `trust_remote_code`. Everything else is
-imported on first use (`trl_diffusion.BGPOTrainer` imports TRL's trainer then), so that `trl-diffusion --help` and
-scripts that only need the models do not pay for TRL, PEFT and bitsandbytes.
+Importing the package makes the native models (`model_type` "llada", "Dream", "sdar", "sdar_moe", "llada2_moe")
+known to the transformers Auto classes, so their published checkpoints load without `trust_remote_code`: they are
+registered when transformers' Auto modules are imported (at once if they already are), so that importing the package
+itself imports neither torch nor transformers. Everything else is imported on first use (`trl_diffusion.BGPOTrainer`
+imports TRL's trainer then), so that `trl-diffusion --help` and scripts that only need the models do not pay for
+TRL, PEFT and bitsandbytes.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import logging
+import sys
 from typing import TYPE_CHECKING
 
-from . import models  # noqa: F401  (registers "llada" and "Dream" with the Auto classes)
+# Whichever of them is imported first, the registration follows it (`trl_diffusion.models` registers on import).
+_AUTO_MODULES = frozenset({"transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto"})
+
+
+def _register_models() -> None:
+    """Imports `trl_diffusion.models`, which registers the native models with the Auto classes; nothing when it is
+    imported or being imported (it then registers them at its end)."""
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _RegisterOnAutoImport)]
+    if f"{__name__}.models" not in sys.modules:
+        importlib.import_module(".models", __name__)
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """The loader of a transformers Auto module, which registers the native models once the module has run."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _register_models()
+
+    def __getattr__(self, name: str):  # get_source, get_resource_reader, ... of the wrapped loader
+        return getattr(self.loader, name)
+
+
+class _RegisterOnAutoImport(importlib.abc.MetaPathFinder):
+    """Finds the transformers Auto modules with the other finders and wraps their loaders in [`_RegisteringLoader`]."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _AUTO_MODULES:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *_: None)(fullname, path, target)
+            if spec is not None:
+                spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+if _AUTO_MODULES & sys.modules.keys():
+    _register_models()
+else:
+    sys.meta_path.insert(0, _RegisterOnAutoImport())
 
 
 class _OptionalKernelsNotice(logging.Filter):
