@@ -9,6 +9,9 @@
   enumerated), for the whole canvas and block by block.
 - The trainer: its lower bound is the package's ELBO estimate (`elbo_terms`), its upper bound and its loss and
   gradient equal an independent computation of SPG's formulas on the same views.
+- `estimator="public"`: the public code's views (perturbation law, what is masked and scored) and its loss and
+  gradient against the code's formulas written out in plain torch on the same views; the package-vs-public
+  difference that docs/trainers/spg.md quotes.
 """
 
 import itertools
@@ -16,6 +19,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_objective_oracles import (  # noqa: F401  (sensitive_llada_dir is a fixture)
     ADVANTAGES,
     assert_same_loss_and_gradients,
@@ -24,11 +28,19 @@ from test_objective_oracles import (  # noqa: F401  (sensitive_llada_dir is a fi
 )
 
 from trl_diffusion.likelihood import exact_elbo
-from trl_diffusion.masking import completion_region, length_normaliser, sample_masks
-from trl_diffusion.models import DiffusionAdapter
+from trl_diffusion.masking import completion_region, length_normaliser, sample_masks, spg_code_views
+from trl_diffusion.models import DiffusionAdapter, build_tiny_sdar
 from trl_diffusion.trainer import SPGConfig, SPGTrainer
 
-from helpers import gradients, rollout_batch, tiny_grpo_config, tiny_trainer, trainer_mask_plan
+from helpers import (
+    assert_same_gradients,
+    gradients,
+    rollout_batch,
+    save_checkpoint,
+    tiny_grpo_config,
+    tiny_trainer,
+    trainer_mask_plan,
+)
 
 TOLERANCE = 1e-6
 ORACLE_ROWS = 3000
@@ -375,8 +387,205 @@ def test_loss_does_not_depend_on_the_micro_batch_split(tiny_llada_dir, tmp_path)
         (dict(eubo_beta=0.5), "eubo_beta"),
         (dict(eubo_mix_weight=1.5), "eubo_mix_weight"),
         (dict(negative_bound="zero"), "negative_bound"),
+        (dict(estimator="reference"), "estimator"),
+        (dict(estimator="public", mask_sampler="uniform_t"), "mask_sampler"),
+        (dict(estimator="public", elbo_region="canvas"), "elbo_region"),
+        (dict(estimator="public", length_norm="canvas"), "length_norm"),
+        (dict(estimator="public", scale_rewards="group"), "scale_rewards"),
+        (dict(estimator="public", leave_one_out=True), "leave_one_out"),
+        (dict(estimator="public", mask_truncated_completions=True), "mask_truncated_completions"),
     ],
 )
 def test_invalid_config_is_refused(overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         tiny_grpo_config(SPGConfig, tmp_path, **overrides)
+
+
+# ------------------------------------------------------------------ estimator="public": SPG's public code
+
+
+def test_public_views_follow_the_code_forward_process():
+    """`spg_code_views` on `block` views (blocks of 4, an answer of 14 of 16 positions, 6 real prompt tokens after 2
+    of padding, 2000 rows): every view masks the scored subset, the later blocks and the fill after the answer; it
+    scores every masked answer position with weight |C| / #masked; the perturbation touches only real prompt tokens
+    and the answer positions of the clean blocks before the scored one, each at rate 0.15; with rate 0 it is off;
+    `stratified` views (the code's `random` process) perturb the prompt only."""
+    rows, length, block_length, rate = 2000, 16, 4, 0.15
+    region = (torch.arange(length) < 14).expand(rows, -1)
+    prompt_mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]).expand(rows, -1)
+    seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(3))
+    plan = sample_masks("block", region, seeds, 1, 2, block_length=block_length)
+    views, prompt_masks = spg_code_views(plan, region, prompt_mask, seeds, 1, rate, block_length)
+    start = plan.masks.long().argmax(-1) // block_length * block_length  # (rows, views): the scored block's start
+    earlier = region.unsqueeze(1) & (torch.arange(length) < start.unsqueeze(-1))
+    base = plan.masks | plan.context_masks
+    extra = views.masks & ~base
+    assert torch.equal(views.masks & base, base)
+    assert not (extra & ~earlier).any()
+    assert torch.equal(views.context_masks, ~region.unsqueeze(1).expand_as(views.masks))
+    torch.testing.assert_close(views.weights, 14 / views.masks.sum(-1).float())
+    assert not (prompt_masks & ~prompt_mask.bool().unsqueeze(1)).any()
+    for hits, trials in ((int(extra.sum()), int(earlier.sum())), (int(prompt_masks.sum()), 6 * 2 * rows)):
+        assert abs(hits / trials - rate) <= 5 * math.sqrt(rate * (1 - rate) / trials), hits / trials
+    off, off_prompt = spg_code_views(plan, region, prompt_mask, seeds, 1, 0.0, block_length)
+    assert torch.equal(off.masks, base) and not off_prompt.any()
+    stratified = sample_masks("stratified", region, seeds, 1, 2)
+    views, prompt_masks = spg_code_views(stratified, region, prompt_mask, seeds, 1, rate)
+    assert torch.equal(views.masks, stratified.masks) and prompt_masks.any()
+
+
+def answer_of(canvas, terminators):
+    """The positions up to and including the first terminator (all of them without one), in plain torch."""
+    is_terminator = torch.isin(canvas, torch.tensor(terminators))
+    first = torch.where(is_terminator.any(-1), is_terminator.long().argmax(-1) + 1, canvas.shape[1])
+    return torch.arange(canvas.shape[1]) < first.unsqueeze(-1)
+
+
+def spg_code_loss(model, inputs, prompt_hidden, completion_hidden, answer, beta, logp_estimation, mix_weight):
+    """SPG's public code's loss (facebookresearch/SPG a1c71209, `spg/spg_trainer.py`: `_get_per_seq_logps` from the
+    perturbed sequence on, and `compute_loss`) written out in plain torch on the given views: view j's input masks
+    `prompt_hidden[:, j]` and `completion_hidden[:, j]`; `perturb_mask * completion_mask` selects the scored tokens;
+    the ELBO side is `sum log p / #masked` averaged over the views, the EUBO
+    `(1 / beta) * mean_{n: avg_n > 0} log avg_n` with `avg_n = mean_j p^beta * masked / t_j`,
+    `t_j = #masked_j / |C|`; rows with `A > 0` take the ELBO, the others `logp_estimation`; the loss
+    `sum(-A * logp * |C|) / sum |C|`."""
+    prompt_ids, prompt_mask, canvas = inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_canvas"]
+    mask_id = model.config.mask_token_id
+    length = canvas.shape[1]
+    logps, probs = [], []
+    for view in range(completion_hidden.shape[1]):
+        input_ids = torch.cat(
+            [
+                prompt_ids.masked_fill(prompt_hidden[:, view], mask_id),
+                canvas.masked_fill(completion_hidden[:, view], mask_id),
+            ],
+            dim=1,
+        )
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(canvas)], dim=1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = logits[:, -length:].float()
+        logps.append(-F.cross_entropy(logits.transpose(1, 2), canvas, reduction="none"))
+        probs.append(F.softmax(logits, dim=-1).gather(-1, canvas.unsqueeze(-1)).squeeze(-1))
+    logp, prob = torch.stack(logps, dim=1), torch.stack(probs, dim=1)  # (batch, views, L)
+    masked = (completion_hidden & answer.unsqueeze(1)).float()
+    denominator = masked.sum(-1)
+    positive = ((logp * masked).sum(-1) / denominator).mean(-1)
+    empirical_t = denominator / answer.float().sum(-1, keepdim=True)
+    average = (prob.pow(beta) * masked / empirical_t.unsqueeze(-1).clamp(min=1e-8)).mean(1)
+    keep = average > 0
+    eubo = (torch.where(keep, average, torch.ones_like(average)).log() * keep).sum(-1) / keep.sum(-1) / beta
+    negative = {
+        "eubo": eubo,
+        "mix": mix_weight * eubo + (1 - mix_weight) * positive,
+        "elbo": positive,
+        "zero": torch.zeros_like(positive),
+    }[logp_estimation]
+    advantages = inputs["advantages"]
+    per_seq = torch.where(advantages > 0, positive, negative)
+    lengths = answer.float().sum(-1)
+    return (-advantages * per_seq * lengths).sum() / lengths.sum(), positive, eubo
+
+
+@pytest.fixture(scope="module")
+def public_case(sensitive_llada_dir, tmp_path_factory):  # noqa: F811
+    """A public-mode trainer (3 views, beta 1.7) and one rollout batch whose canvases end early in some rows (a
+    terminator at positions 5, 2 and 0 of rows 1, 3 and 6), so that some views have a fill after the answer."""
+    trainer = spg_trainer(
+        sensitive_llada_dir, tmp_path_factory.mktemp("spg-public"), estimator="public", eubo_beta=1.7
+    )
+    inputs = rollout_batch(trainer, inner_iteration=1)
+    terminator = trainer.adapter.terminator_ids[0]
+    for row, position in ((1, 5), (3, 2), (6, 0)):
+        inputs["completion_canvas"][row, position] = terminator
+    inputs.update(trainer._score_rollouts(inputs, "train"))
+    inputs["advantages"] = ADVANTAGES.clone()
+    return trainer, inputs
+
+
+@pytest.mark.parametrize("mask_sampler", ["block", "stratified"])
+def test_public_loss_and_gradient_against_the_code_formulas(mask_sampler, public_case, monkeypatch):
+    """With `estimator="public"` the trainer's bounds, loss and gradient are SPG's code's on the same views, for every
+    `negative_bound` (the code's `logp_estimation`, `none` its `zero`), with `block` views (`block_random`) and
+    `stratified` ones (`random`). The views are the package's plan plus the code's forward process, checked here
+    from the plan: the scored subset, the later blocks and the fill after the answer masked, the extra (perturbed)
+    positions only in the prompt and the clean blocks before the scored one, and some of each present."""
+    trainer, inputs = public_case
+    monkeypatch.setattr(trainer.args, "mask_sampler", mask_sampler)
+    model = trainer.model
+    canvas = inputs["completion_canvas"]
+    answer = answer_of(canvas, trainer.adapter.terminator_ids)
+    assert (~answer).any()
+    package_plan = trainer.mask_plan(inputs, 1)
+    base = package_plan.masks | ~answer.unsqueeze(1)
+    if mask_sampler == "block":
+        base |= package_plan.context_masks
+    code_plan, prompt_hidden = trainer.public_views(inputs, 1)
+    hidden = code_plan.masks | code_plan.context_masks
+    extra = hidden & ~base
+    start = package_plan.masks.long().argmax(-1) // trainer.args.block_length * trainer.args.block_length
+    earlier = answer.unsqueeze(1) & (torch.arange(canvas.shape[1]) < start.unsqueeze(-1))
+    assert torch.equal(hidden & base, base)
+    if mask_sampler == "block":
+        assert extra.any() and not (extra & ~earlier).any()
+    else:
+        assert not extra.any()
+    assert prompt_hidden.any() and not (prompt_hidden & ~inputs["prompt_mask"].bool().unsqueeze(1)).any()
+    completion_hidden = base | extra
+    for negative_bound, code_name in (("mix", "mix"), ("eubo", "eubo"), ("elbo", "elbo"), ("none", "zero")):
+        monkeypatch.setattr(trainer.args, "negative_bound", negative_bound)
+        model.zero_grad()
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
+        actual = gradients(model, clear=True)
+        lower, upper = trainer.sandwich_bounds(model, inputs, 1)
+        expected_loss, expected_lower, expected_upper = spg_code_loss(
+            model, inputs, prompt_hidden, completion_hidden, answer, 1.7, code_name, 0.5
+        )
+        expected_loss.backward()
+        expected = gradients(model, clear=True)
+        torch.testing.assert_close(lower.detach(), expected_lower.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(upper.detach(), expected_upper.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-6, atol=1e-7)
+        assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-6, label=f"{mask_sampler} {negative_bound}")
+
+
+def test_package_and_public_estimators_differ(public_case, monkeypatch):
+    """The figures docs/trainers/spg.md quotes (run with -s): on the oracle's rollout batch (`mix`, beta 1.7, 3 block
+    views), the mean |difference| of the per-token bounds between the package's estimator and the public code's,
+    and the cosine and norm ratio of their loss gradients; with the perturbation off (rate 0), its share."""
+    import trl_diffusion.trainer.spg_trainer as spg_module
+
+    trainer, inputs = public_case
+    model = trainer.model
+    results = {}
+    for name, estimator, rate in (
+        ("package", "package", 0.15),
+        ("public", "public", 0.15),
+        ("unperturbed", "public", 0.0),
+    ):
+        monkeypatch.setattr(trainer.args, "estimator", estimator)
+        monkeypatch.setattr(spg_module, "SPG_CODE_P_MASK_PROMPT", rate)
+        model.zero_grad()
+        lower, upper = trainer.sandwich_bounds(model, inputs, 1)
+        trainer._compute_loss(model, inputs).backward()
+        gradient = torch.cat([g.flatten() for g in gradients(model, clear=True).values()])
+        results[name] = lower.detach(), upper.detach(), gradient
+    package_lower, package_upper, package_gradient = results["package"]
+    for name in ("public", "unperturbed"):
+        lower, upper, gradient = results[name]
+        cosine = F.cosine_similarity(gradient, package_gradient, dim=0).item()
+        ratio = (gradient.norm() / package_gradient.norm()).item()
+        lower_gap = (lower - package_lower).abs().mean().item()
+        upper_gap = (upper - package_upper).abs().mean().item()
+        print(
+            f"{name}: mean |dE| {lower_gap:.3f}, mean |dU| {upper_gap:.3f} nats/token, gradient cosine {cosine:.3f}, "
+            f"norm ratio {ratio:.3f}"
+        )
+        assert upper_gap > 0.01 and cosine < 0.99
+
+
+def test_public_estimator_refuses_a_block_causal_model(tiny_tokenizer, tmp_path):
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer, seed=0), tiny_tokenizer, tmp_path / "sdar")
+    with pytest.raises(ValueError, match="estimator='public'.*bidirectional"):
+        spg_trainer(model_dir, tmp_path / "out", estimator="public")

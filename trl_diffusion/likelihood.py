@@ -623,3 +623,46 @@ def coupled_token_scores(
         return scores
     entropies = entropy.chunk(repeat)
     return scores, entropies[0] + entropies[1]
+
+
+def prompt_masked_view_logprobs(
+    model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    plan: MaskPlan,
+    prompt_masks: torch.BoolTensor,
+) -> torch.Tensor:
+    """[`view_logprobs`] of every view with view j's prompt positions `prompt_masks[:, j]` masked too (SPG's code's
+    prompt perturbation, [`~masking.spg_code_views`]): one forward pass over the views stacked; differentiable.
+
+    Args:
+        model, adapter, prompt_ids, prompt_mask, completion_ids:
+            As in [`masked_token_logprobs`].
+        plan ([`MaskPlan`]):
+            The views: `masks` scored, `context_masks` masked and not scored.
+        prompt_masks (`torch.BoolTensor` of shape `(batch, num_mc_samples, prompt_length)`):
+            The prompt positions each view masks.
+
+    Returns:
+        `torch.FloatTensor` of shape `(batch, num_mc_samples, completion_length)`.
+    """
+    num_views, batch = plan.num_mc_samples, completion_ids.shape[0]
+
+    def stack(views: torch.Tensor | None) -> torch.Tensor | None:  # (batch, n_t, ·) -> (n_t * batch, ·), view-major
+        if views is None:
+            return None
+        return views.to(completion_ids.device).transpose(0, 1).reshape(num_views * batch, -1)
+
+    noisy_prompt = prompt_ids.repeat(num_views, 1).masked_fill(stack(prompt_masks), adapter.mask_token_id)
+    logprobs = masked_token_logprobs(
+        model,
+        adapter,
+        noisy_prompt,
+        prompt_mask.repeat(num_views, 1),
+        completion_ids.repeat(num_views, 1),
+        stack(plan.masks),
+        stack(plan.context_masks),
+    )
+    return logprobs.view(num_views, batch, -1).transpose(0, 1)

@@ -618,3 +618,85 @@ def sample_complementary_masks(
         uniforms = torch.rand(positions.numel(), generator=generator, dtype=torch.float64)
         masks[row, positions[uniforms < timesteps[row]]] = True
     return masks.to(region.device), timesteps.to(region.device, torch.float32)
+
+
+def spg_code_views(
+    plan: MaskPlan,
+    region: torch.BoolTensor,
+    prompt_mask: torch.Tensor,
+    seeds: torch.LongTensor,
+    iteration: int,
+    p_mask_prompt: float,
+    block_length: int | None = None,
+) -> tuple[MaskPlan, torch.BoolTensor]:
+    """SPG's public code's forward process (facebookresearch/SPG `forward_process`, a1c71209) on the views of a
+    `block` or `stratified` plan, for SPG's `estimator="public"`.
+
+    The code builds a block mask and never applies it: every masked region position is scored, the later blocks'
+    (the plan's `context_masks`) included, and the positions after the region (after the first EOS) are masked in
+    every view, unscored. With `use_mask_prompt` (SPG's recipe: `p_mask_prompt=0.15`) it also masks, per view, each
+    real prompt token and, for a `block` plan, each region position of the clean blocks before the scored block with
+    probability `p_mask_prompt`; those completion positions are then scored too. The returned plan holds, per view j,
+    the scored positions `M_j` (every masked region position), the positions after the region as context, and the
+    weight `1 / t_j = |R| / |M_j|`, the inverse of the code's empirical mask rate over the whole region: with it,
+    `weighted_sums(logprobs) / |R|` is the code's ELBO side `sum_{M_j} log p / |M_j|` and
+    [`~likelihood.eubo_token_mean`] its EUBO. The draws are keyed by (row seed, iteration, `MASK_PROMPT`, view):
+    each view's uniforms over the row's real prompt tokens, then over its perturbable region positions, in order.
+
+    Args:
+        plan ([`MaskPlan`]):
+            The views of [`sample_masks`] with `mask_sampler="block"` (one block scored, the later blocks as context)
+            or `"stratified"` (the code's `random` forward process: no block structure, only the prompt perturbed).
+        region (`torch.BoolTensor` of shape `(batch, completion_length)`):
+            The region the plan was drawn on (the code's completion mask: the answer up to its first terminator).
+        prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
+            1 for real prompt tokens, 0 for left padding.
+        seeds (`torch.LongTensor` of shape `(batch,)`):
+            Per-row mask seeds.
+        iteration (`int`):
+            Inner-iteration index.
+        p_mask_prompt (`float`):
+            Probability of masking each perturbable token (0: the code with `use_mask_prompt=False`).
+        block_length (`int`, *optional*):
+            The `block` plan's positions per block (which blocks precede the scored one); unused without
+            `context_masks`.
+
+    Returns:
+        `(plan, prompt_masks)`: the [`MaskPlan`] above and the masked prompt positions of every view, a
+        `torch.BoolTensor` of shape `(batch, num_mc_samples, prompt_length)`, both on the device of `region`.
+    """
+    region_cpu = region.detach().to("cpu", torch.bool)
+    real = prompt_mask.detach().to("cpu").bool()
+    scored = plan.masks.detach().to("cpu")
+    masks = scored.clone()
+    is_block = plan.context_masks is not None
+    if is_block:
+        if block_length is None or block_length < 1:
+            raise ValueError(f"A `block` plan needs its positive `block_length`, got {block_length!r}.")
+        masks |= plan.context_masks.detach().to("cpu")
+    batch_size, num_views, completion_length = masks.shape
+    prompt_masks = torch.zeros(batch_size, num_views, real.shape[1], dtype=torch.bool)
+    positions = torch.arange(completion_length)
+    for row, seed in enumerate(seeds.tolist()):
+        prompt_positions = real[row].nonzero().squeeze(-1)
+        for view in range(num_views):
+            perturbable = torch.zeros(completion_length, dtype=torch.bool)
+            if is_block and scored[row, view].any():
+                start = int(scored[row, view].long().argmax()) // block_length * block_length
+                perturbable = region_cpu[row] & (positions < start)
+            completion_positions = perturbable.nonzero().squeeze(-1)
+            generator = keyed_generator(seed, iteration, MASK_PROMPT, view)
+            draws = torch.rand(
+                prompt_positions.numel() + completion_positions.numel(), generator=generator, dtype=torch.float64
+            )
+            hit = draws < p_mask_prompt
+            prompt_masks[row, view, prompt_positions[hit[: prompt_positions.numel()]]] = True
+            masks[row, view, completion_positions[hit[prompt_positions.numel() :]]] = True
+    weights = region_cpu.sum(-1, keepdim=True).float() / masks.sum(-1).clamp(min=1).float()
+    device = region.device
+    code_plan = MaskPlan(
+        masks=masks.to(device),
+        weights=weights.to(device),
+        context_masks=(~region_cpu).unsqueeze(1).expand_as(masks).clone().to(device),
+    )
+    return code_plan, prompt_masks.to(device)

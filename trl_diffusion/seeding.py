@@ -16,7 +16,8 @@ LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
     MASK_SAMPLE      the mask of one Monte Carlo sample (keyed also by its index)
     MASK_BLOCKS      a block-causal model's per-block draws: every block's offset or timesteps; under
                      (MASK_SAMPLE, MASK_BLOCKS, index) the keys of one sample's masks in every block
-    MASK_PROMPT      d1's prompt mask
+    MASK_PROMPT      d1's prompt mask; under (MASK_PROMPT, view) the prompt and clean-block perturbation of one
+                     view of SPG's public estimator (`masking.spg_code_views`)
     LFPO_STATES      LFPO's choice of trajectory states
     MASK_PAIR        coupled-GRPO's complementary pair: the row's timestep t, then one uniform per canvas position
     TRAJECTORY_TRANSITIONS  the trajectory trainers' Monte Carlo draws of transitions, keyed

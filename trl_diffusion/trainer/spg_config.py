@@ -6,6 +6,11 @@ from ..validation import FieldRule, choice, number
 from .sequence_elbo_config import SequenceELBOConfig
 
 NEGATIVE_BOUNDS = ("mix", "eubo", "elbo", "none")
+# `estimator`: this package's objective, or the public code's (facebookresearch/SPG `spg/spg_trainer.py`, a1c71209).
+SPG_ESTIMATORS = ("package", "public")
+# SPG's recipe (`spg/slurm_scripts/train.yaml`: `use_mask_prompt: true`, `p_mask_prompt: 0.15`, which no SPG run
+# overrides): the rate at which the public code masks prompt tokens and the clean blocks' tokens in each view.
+SPG_CODE_P_MASK_PROMPT = 0.15
 
 
 @dataclass
@@ -23,6 +28,15 @@ class SPGConfig(SequenceELBOConfig):
     LoRA r=128, alpha=64 on a 4-bit base, and per task `eubo_beta` 1.5 (GSM8K, MATH, Countdown with `mix`), 2.0
     (Countdown with `eubo`), 1.0 (Sudoku, temperature 0.3) (`examples/spg_countdown.py`).
 
+    `estimator="public"` trains the public code's objective instead (see [`SPGTrainer`] and docs/trainers/spg.md,
+    "Reference mode"), on the same Monte Carlo views: the block mask not applied (every masked answer token scored,
+    the later blocks' included), the positions after the answer masked, the prompt and the clean blocks perturbed at
+    SPG's recipe rate 0.15, the ELBO side `sum_masked log p / #masked` and the EUBO weighted by the empirical mask
+    rate over the answer. The settings that objective has no place for are refused with it
+    (`public_estimator_fields`): samplers other than `block` and `stratified` (the code's `block_random` and
+    `random`), `elbo_region` and `length_norm` other than `answer`, advantages other than `r - mean(r)`
+    (`scale_rewards`, `leave_one_out`, `multi_objective_aggregation`) and `mask_truncated_completions`.
+
     Parameters:
 
         negative_bound (`str`, *optional*, defaults to `"mix"`):
@@ -34,6 +48,10 @@ class SPGConfig(SequenceELBOConfig):
             math, 1.0 for Sudoku). Larger is looser; docs/trainers/spg.md says when the bound holds.
         eubo_mix_weight (`float`, *optional*, defaults to `0.5`):
             Weight omega of the upper bound in the `mix` proxy.
+        estimator (`str`, *optional*, defaults to `"package"`):
+            The objective. `package`: the block ELBO estimate over the answer length and the weighted EUBO, with the
+            scored block's mask applied (docs/trainers/spg.md, "Departures from SPG's code"). `public`: SPG's public
+            code's objective on the same views (above); it refuses the settings it has no place for.
     """
 
     negative_bound: str = field(
@@ -73,6 +91,15 @@ class SPGConfig(SequenceELBOConfig):
     )
     temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (SPG: 0.9)."})
     learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate (SPG: 3e-6)."})
+    estimator: str = field(
+        default="package",
+        metadata={
+            "help": "The objective: `package` (the block bounds, the scored block's mask applied) or `public` (SPG's "
+            "code's: every masked answer token scored, later blocks included, the prompt and clean blocks perturbed "
+            "with probability 0.15, per-view token means and the empirical mask rate over the answer).",
+            "choices": list(SPG_ESTIMATORS),
+        },
+    )
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **SequenceELBOConfig.unsupported_fields,
@@ -85,8 +112,34 @@ class SPGConfig(SequenceELBOConfig):
         "ref_model_sync_steps": ((512,), "SPG has no reference model"),
     }
 
+    # With `estimator="public"`: name -> (the accepted values, why the public code's objective has no place for
+    # another). `__post_init__` raises on any other value.
+    public_estimator_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "mask_sampler": (
+            ("block", "stratified"),
+            "the public code's forward processes are block-wise masking (`block_random`, SPG's) and random masking "
+            "(`random`), whose views these two samplers draw",
+        ),
+        "elbo_region": (
+            ("answer",),
+            "the public code scores the completion up to and including its first EOS and masks the positions after it",
+        ),
+        "length_norm": (
+            ("answer",),
+            "the public code divides each view's sum by its own masked count, and weights the loss by the answer length",
+        ),
+        "scale_rewards": (("none",), "the public code's advantage is `r - mean(r)` over the group"),
+        "leave_one_out": ((False,), "the public code's baseline is the group mean"),
+        "multi_objective_aggregation": (
+            ("sum_then_normalize",),
+            "the public code sums the rewards, then subtracts the group mean",
+        ),
+        "mask_truncated_completions": ((False,), "the public code weights every completion by its length"),
+    }
+
     field_rules: ClassVar[dict[str, FieldRule]] = {
         "negative_bound": choice(NEGATIVE_BOUNDS),
+        "estimator": choice(SPG_ESTIMATORS),
         "eubo_beta": number(1, note="the order of the upper bound"),
         "eubo_mix_weight": number(0, 1),
     }
@@ -99,3 +152,11 @@ class SPGConfig(SequenceELBOConfig):
                 "bound's per-view token average does not take: use `block` (SPG's), `stratified`, `uniform_t`, "
                 "`stratified_t`, `gauss_2` or `gauss_3`."
             )
+        if self.estimator != "public":
+            return
+        for name, (accepted, reason) in self.public_estimator_fields.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(
+                    f"`{name}={getattr(self, name)!r}` does not go with `estimator='public'` ({reason}). Set "
+                    f"`{name}={accepted[0]!r}`, or use `estimator='package'`."
+                )

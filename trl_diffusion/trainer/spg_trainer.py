@@ -2,10 +2,10 @@ import textwrap
 
 import torch
 
-from ..likelihood import eubo_token_mean, view_logprobs
-from ..masking import length_normaliser
+from ..likelihood import eubo_token_mean, prompt_masked_view_logprobs, view_logprobs
+from ..masking import MaskPlan, completion_region, length_normaliser, spg_code_views
 from .sequence_elbo_trainer import SequenceELBOTrainer
-from .spg_config import SPGConfig
+from .spg_config import SPG_CODE_P_MASK_PROMPT, SPGConfig
 
 
 class SPGTrainer(SequenceELBOTrainer):
@@ -32,6 +32,14 @@ class SPGTrainer(SequenceELBOTrainer):
     and reference terms; `_compute_loss` is the objective. The views stay in one graph until the backward (the upper
     bound's log-mean couples them), so activation memory grows with `num_mc_samples`, as VRPO's. With
     `num_iterations > 1` the rollouts are reused without an importance ratio (SPG's recipe: 4).
+
+    With `estimator="public"` the bounds are those of SPG's public code on the same views
+    ([`~masking.spg_code_views`], [`~likelihood.prompt_masked_view_logprobs`]): view j masks the scored block's
+    subset, the later blocks, the positions after the answer and, at SPG's recipe rate 0.15, prompt tokens and
+    tokens of the clean earlier blocks; every masked answer position is scored (the set `M_j`, `t_j = |M_j| / |C|`),
+    `E = mean_j sum_{M_j} log p / |M_j|` and `U = (1 / beta) mean_n log mean_j [1[n in M_j] p_j(y_n)^beta / t_j]`.
+    The loss, its length weights and the keyed masks are the package's. A block-causal model is refused with it (the
+    public code is written for a bidirectional model; the composite forward would unmask the later blocks' context).
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` an [`SPGConfig`].
 
@@ -77,16 +85,55 @@ class SPGTrainer(SequenceELBOTrainer):
         mean_length = counted.mean() if counted.numel() else gathered.new_ones(())
         return {"spg_length_weights": lengths / mean_length}
 
+    def check_rollout_model(self, adapter) -> None:
+        # The public code's views need a forward in which the later blocks are masked context of the scored ones.
+        if self.args.estimator == "public" and adapter.block_causal:
+            raise ValueError(
+                "`estimator='public'` is SPG's code for a bidirectional model: it scores the later, fully masked "
+                "blocks, which a block-causal model's composite forward predicts from the clean earlier blocks, "
+                "not from the masked canvas. Use `estimator='package'` (the block bounds on the model's blocks)."
+            )
+        super().check_rollout_model(adapter)
+
     def sandwich_bounds(self, model, inputs: dict, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(E, U)` of every row under inner iteration `iteration`'s views: the per-token lower bound
-        `mean_j w_j S(M_j) / N` (the package's ELBO estimate over `elbo_normaliser`) and the per-token upper bound,
-        each `(batch,)` in float32 with gradients."""
+        """`(E, U)` of every row under inner iteration `iteration`'s views, each `(batch,)` in float32 with
+        gradients: the per-token lower bound `mean_j w_j S(M_j) / N` (the package's ELBO estimate over
+        `elbo_normaliser`) and upper bound, or with `estimator="public"` the public code's (`public_bounds`)."""
+        if self.args.estimator == "public":
+            return self.public_bounds(model, inputs, iteration)
         plan = self.mask_plan(inputs, iteration)
         prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
         with self.accelerator.autocast():
             logprobs = view_logprobs(model, self.adapter, prompt_ids, prompt_mask, canvas, plan).float()
         elbo = plan.weighted_sums(logprobs).mean(dim=1)
         lower = elbo / self.elbo_normaliser(inputs)
+        return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
+
+    def public_views(self, inputs: dict, iteration: int) -> tuple[MaskPlan, torch.Tensor]:
+        """The public code's views of inner iteration `iteration` on the package's: a [`MaskPlan`] of the scored
+        positions (every masked answer position) with weights `1 / t_j`, and the masked prompt positions
+        ([`~masking.spg_code_views`])."""
+        canvas = inputs["completion_canvas"]
+        return spg_code_views(
+            self.mask_plan(inputs, iteration),
+            completion_region(canvas, self.adapter.terminator_ids, "answer"),
+            inputs["prompt_mask"],
+            inputs["mask_seeds"],
+            iteration,
+            SPG_CODE_P_MASK_PROMPT,
+            self.args.block_length,
+        )
+
+    def public_bounds(self, model, inputs: dict, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The public code's `(E, U)`: `E = mean_j sum_{M_j} log p / |M_j|` (the views' weighted sums over the
+        answer length, as the weights are `|C| / |M_j|`) and `U` the EUBO with the weights `1 / t_j`."""
+        plan, prompt_masks = self.public_views(inputs, iteration)
+        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
+        with self.accelerator.autocast():
+            logprobs = prompt_masked_view_logprobs(
+                model, self.adapter, prompt_ids, prompt_mask, canvas, plan, prompt_masks
+            ).float()
+        lower = plan.weighted_sums(logprobs).mean(dim=1) / self.elbo_normaliser(inputs)
         return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
 
     def _compute_loss(self, model, inputs):
