@@ -7,7 +7,11 @@
   reference, on-policy and off-policy (stored old and reference log-probs, clipping, the k3 KL, two of TRL's
   aggregations);
 - the greedy rollout equals left-to-right greedy decoding done by hand;
-- the refused sampler settings, the inert prefix cache, and activation memory that does not grow with the passes.
+- the refused sampler settings, the inert prefix cache, and activation memory that does not grow with the passes;
+- the reference mode (`estimator="public"`): loss and gradient equal to the public code's objective written out on
+  the one-at-a-time reference (every canvas position, the EOS fill included, TRL's advantages recomputed from the
+  rewards, N_valid), the package-vs-public gradient measured on that batch, P processes computing what one does,
+  and the settings it refuses.
 """
 
 import math
@@ -24,11 +28,13 @@ from helpers import (
     CHAT_PROMPTS,
     assert_same_gradients,
     assert_same_update,
+    distinct_chars,
     eos_leaning_checkpoint,
     gradients,
     load_ddp_worker,
     perturb,
     run_ddp_worker,
+    select_rows,
     sharpened,
     tiny_grpo_config,
     tiny_trainer,
@@ -61,16 +67,19 @@ def short_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
     return eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, directory, eos_weight=0.3)
 
 
-def make_trainer(model_dir, output_dir, **settings):
+def make_trainer(model_dir, output_dir, reward_funcs=distinct_chars, **settings):
     defaults = dict(block_length=1, diffusion_steps=None, beta=0.0, just_grpo_positions_per_forward=3)
-    return tiny_trainer(
-        JustGRPOTrainer, model_dir, tiny_grpo_config(JustGRPOConfig, output_dir, **defaults | settings)
-    )
+    config = tiny_grpo_config(JustGRPOConfig, output_dir, **defaults | settings)
+    return tiny_trainer(JustGRPOTrainer, model_dir, config, reward_funcs=reward_funcs)
 
 
-def chat_rollouts(trainer, inner_iteration: int = 0) -> dict:
+FIXED_ADVANTAGES = (1.0, -0.5, 0.25, -2.0, 0.7, -1.3, 2.0, -0.1)
+
+
+def chat_rollouts(trainer, inner_iteration: int = 0, advantages=FIXED_ADVANTAGES) -> dict:
     """A rollout batch of the first two `CHAT_PROMPTS` (6 and 16 tokens, so the first is left-padded),
-    `num_generations` completions each, built as training builds it; fixed mixed-sign advantages."""
+    `num_generations` completions each, built as training builds it; fixed mixed-sign advantages (`None`: TRL's,
+    from the rewards)."""
     trainer.model.train()
     rows = [
         {"prompt": [{"role": "user", "content": prompt}]}
@@ -78,7 +87,8 @@ def chat_rollouts(trainer, inner_iteration: int = 0) -> dict:
         for _ in range(trainer.num_generations)
     ]
     batch = {**trainer._generate_and_score_completions(rows), "inner_iteration": inner_iteration}
-    batch["advantages"] = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.7, -1.3, 2.0, -0.1])
+    if advantages is not None:
+        batch["advantages"] = torch.tensor(advantages)
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by the train loop
     return batch
 
@@ -294,6 +304,191 @@ def test_two_processes_train_like_one_process(short_eos_dir, tmp_path):
     print(f"\nTRL's completion widths per rank: {widths}")
     assert widths[0] != widths[1]
     assert_same_update(ranks, one, "two processes vs one")
+
+
+# ---------------------------------------------------------------------------------------------------- reference mode
+
+
+def answer_reward(prompts, completion_ids, **kwargs):
+    """The number of distinct tokens of the answer (cut after its terminator) to the first of `CHAT_PROMPTS`; 1 for
+    every answer to the second (a group of equal rewards, whose advantages are all 0)."""
+    return [
+        float(len(set(ids))) if prompt[-1]["content"] == CHAT_PROMPTS[0] else 1.0
+        for prompt, ids in zip(prompts, completion_ids)
+    ]
+
+
+def public_trainer(model_dir, output_dir, **settings):
+    """The reference mode on `answer_reward`; the rollouts sample every position (no early stop), as the code's."""
+    settings = dict(estimator="public", early_stop=False) | settings
+    return make_trainer(model_dir, output_dir, reward_funcs=answer_reward, **settings)
+
+
+def public_reference_loss(logps, batch, group_size, epsilon=0.2, old=None):
+    """The public code's loss (LeapLabTHU/JustGRPO `grpo.py`: `compute_group_advantages`, `logprob_loss`) written
+    from its formula on the log-probs of every canvas position `(B, L)`: the rewards recomputed from the answers,
+    `A = (r - mean) / (std + 1e-4)` per group (unbiased std), N_valid the samples with A != 0, per token
+    `-min(rho A, clip(rho, 1 - eps, 1 + eps) A)` with `rho = exp(lp - sg(lp))` (or `exp(lp - old)`), summed over all
+    L positions (no completion mask) and divided by `L (N_valid + 1e-5)`. Also returns the advantages and the number
+    of positions where the clip binds."""
+    answers = [ids[mask.bool()].tolist() for ids, mask in zip(batch["completion_ids"], batch["completion_mask"])]
+    rewards = torch.tensor([float(len(set(ids))) if row < group_size else 1.0 for row, ids in enumerate(answers)])
+    grouped = rewards.view(-1, group_size)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    advantages = advantages.flatten()[:, None]
+    num_valid = (advantages != 0).sum()
+    ratio = torch.exp(logps - (logps.detach() if old is None else old))
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
+    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    binds = (clipped * advantages < ratio * advantages).sum().item()
+    return per_token.sum() / (logps.shape[1] * (num_valid + 1e-5)), advantages[:, 0], binds
+
+
+def package_reference_loss(logps, batch):
+    """This package's default (`dr_grpo` on-policy, TRL's completion mask m): `sum_{b,t} -A_b rho m_bt / (B L)`."""
+    mask = torch.nn.functional.pad(batch["completion_mask"], (0, LENGTH - batch["completion_mask"].shape[1]))
+    ratio = torch.exp(logps - logps.detach())
+    return (-batch["advantages"][:, None] * ratio * mask).sum() / (mask.shape[0] * LENGTH)
+
+
+def flat(grads: dict) -> torch.Tensor:
+    return torch.cat([grads[name].flatten() for name in sorted(grads)])
+
+
+@pytest.mark.parametrize(("model_dir", "all_end_early"), [("sharp_eos_dir", False), ("short_eos_dir", True)])
+def test_public_estimator_equals_the_public_code_objective_and_measures_the_package_gradient(
+    model_dir, all_end_early, tmp_path, request
+):
+    """`estimator="public"`, on rollouts with an early terminator among the rows with A != 0 (so the EOS fill after
+    it is trained) and a group of equal rewards (A = 0, left out of N_valid): the training step's loss and gradient
+    equal the public code's objective written out on the one-at-a-time reference (all 8 canvas positions, 3 + 3
+    passes, also when every answer ends early: `short_eos_dir`). On the same batch the package's estimator equals
+    its own reference, and the cosine and norm ratio of the two gradients are printed (docs/trainers/just_grpo.md
+    quotes them)."""
+    model_dir = request.getfixturevalue(model_dir)
+    trainer = public_trainer(model_dir, tmp_path / "public")
+    batch = chat_rollouts(trainer, advantages=None)
+    group_size = trainer.num_generations
+    answer_lengths = batch["completion_mask"].sum(dim=1)
+    model, mask_token_id = trainer.model, trainer.adapter.mask_token_id
+    logps = one_at_a_time_logps(model, mask_token_id, batch)
+    expected, advantages, _ = public_reference_loss(logps, batch, group_size)
+    torch.testing.assert_close(batch["advantages"], advantages, rtol=1e-6, atol=1e-7)
+    assert (advantages.view(-1, group_size) == 0).all(dim=1).any()  # a group of equal rewards
+    assert ((answer_lengths < LENGTH) & (advantages != 0)).any()  # an EOS fill that the public code trains
+    assert batch["num_valid_samples"] == (advantages != 0).sum() < len(advantages)
+    assert (batch["completion_ids"].shape[1] < LENGTH) == all_end_early  # TRL's completions narrower than L
+
+    loss, grads, num_calls = piecewise_step(trainer, batch)
+    assert num_calls == 2 * 3  # every canvas position, ceil(8 / 3) passes each way
+    expected.backward()
+    print(f"\npublic loss {loss.item():.8f}, reference {expected.item():.8f}; advantages {advantages.tolist()}")
+    # On-policy the value is -sum(A) / (N_valid + 1e-5), 0 up to rounding: the gradient is what this checks.
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    public_grads = gradients(model, clear=True)
+    assert_same_gradients(grads, public_grads, rtol=1e-5, atol=1e-6, label="public estimator")
+    with torch.no_grad():  # evaluation's path: the value alone, one sweep
+        torch.testing.assert_close(trainer._compute_loss(model, batch), expected.detach(), rtol=1e-6, atol=1e-7)
+
+    package = make_trainer(model_dir, tmp_path / "package", early_stop=False)
+    package.current_gradient_accumulation_steps = package.args.gradient_accumulation_steps  # set by the train loop
+    package_loss, package_grads, _ = piecewise_step(package, batch)
+    expected = package_reference_loss(one_at_a_time_logps(package.model, mask_token_id, batch), batch)
+    expected.backward()
+    torch.testing.assert_close(package_loss, expected.detach(), rtol=1e-6, atol=1e-8)
+    assert_same_gradients(package_grads, gradients(package.model, clear=True), rtol=1e-5, atol=1e-6, label="package")
+    package_vector, public_vector = flat(package_grads), flat(grads)
+    cosine = torch.nn.functional.cosine_similarity(package_vector, public_vector, dim=0).item()
+    norm_ratio = (public_vector.norm() / package_vector.norm()).item()
+    fill = (LENGTH - answer_lengths).sum().item() / (len(answer_lengths) * LENGTH)
+    fill_ids = batch["completion_canvas"][torch.arange(LENGTH) >= answer_lengths[:, None]]
+    print(
+        f"package vs public gradient: cosine {cosine:.3f}, norm ratio (public / package) {norm_ratio:.3f}; "
+        f"answer lengths {answer_lengths.tolist()} of {LENGTH} (fill after the answer: {fill:.0%} of the positions), "
+        f"N_valid {int(batch['num_valid_samples'])} of {len(answer_lengths)}; fill tokens {fill_ids.tolist()}"
+    )
+    assert cosine < 0.999  # the fill turns the public gradient (N_valid only scales it)
+
+
+def test_public_estimator_off_policy_clips_against_the_stored_old_log_probs(sharp_eos_dir, tmp_path):
+    """Beyond the public code (one update per rollout batch, rho = 1): with `num_iterations=2` the old log-probs of
+    every canvas position are stored at generation time, `(B, L)`, and after the policy moves the loss and gradient
+    of the second inner iteration are the public formula with `rho = exp(lp - old)`, the clip binding somewhere."""
+    epsilon = 0.05
+    trainer = public_trainer(sharp_eos_dir, tmp_path, num_iterations=2, epsilon=epsilon)
+    assert trainer.is_off_policy
+    batch = chat_rollouts(trainer, inner_iteration=1, advantages=None)
+    mask_token_id = trainer.adapter.mask_token_id
+    with torch.no_grad():
+        old = one_at_a_time_logps(trainer.model, mask_token_id, batch)
+    assert batch["old_autoregressive_logps"].shape == (8, LENGTH)
+    torch.testing.assert_close(batch["old_autoregressive_logps"], old, rtol=1e-5, atol=1e-5)
+
+    perturb(trainer.model, std=0.02, seed=1)
+    loss, grads, _ = piecewise_step(trainer, batch)
+    logps = one_at_a_time_logps(trainer.model, mask_token_id, batch)
+    expected, _, binds = public_reference_loss(logps, batch, trainer.num_generations, epsilon=epsilon, old=old)
+    print(f"\npublic off-policy loss {loss.item():.6f}, reference {expected.item():.6f}, clipped positions {binds}")
+    assert binds > 0
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-7)
+    assert_same_gradients(grads, gradients(trainer.model, clear=True), rtol=1e-5, atol=1e-6, label="public off-policy")
+
+
+def test_public_estimator_scale_over_processes_and_accumulation_steps(sharp_eos_dir, tmp_path, monkeypatch):
+    """The code divides by the per-rank mean of N_valid; here each process's loss is multiplied by the number of
+    processes, so that the gradients of two processes holding 4 rows each (N_valid of all 8, as `_score_rollouts`
+    gathers it) average to that of one process holding the 8. The code sums its accumulation steps, each divided by
+    its own N_valid; here a rollout batch split into S = 2 micro-batches divides each by the mean N_valid / 2, so the
+    two micro-batches' gradients add up to `(N + 1e-5) / (N / 2 + 1e-5)` times that of the batch in one step."""
+    trainer = public_trainer(sharp_eos_dir, tmp_path / "one")
+    batch = chat_rollouts(trainer, advantages=None)
+    halves = [select_rows(batch, rows) for rows in ([0, 1, 4, 5], [2, 3, 6, 7])]
+    loss, grads, _ = piecewise_step(trainer, batch)
+
+    accumulating = public_trainer(sharp_eos_dir, tmp_path / "accumulating", gradient_accumulation_steps=2)
+    assert accumulating.args.steps_per_generation == 2
+    accumulating.current_gradient_accumulation_steps = 2  # set by the train loop
+    steps = [piecewise_step(accumulating, half) for half in halves]
+    num_valid = batch["num_valid_samples"].item()
+    factor = (num_valid + 1e-5) / (num_valid / 2 + 1e-5)
+    summed = {name: steps[0][1][name] + steps[1][1][name] for name in grads}
+    expected = {name: factor * grad for name, grad in grads.items()}
+    assert_same_gradients(summed, expected, rtol=1e-5, atol=1e-6, label="two accumulation steps vs one")
+
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda accelerator: 2))
+    processes = [piecewise_step(trainer, half) for half in halves]
+    torch.testing.assert_close(sum(process[0] for process in processes) / 2, loss, rtol=1e-6, atol=1e-7)
+    averaged = {name: (processes[0][1][name] + processes[1][1][name]) / 2 for name in grads}
+    assert_same_gradients(averaged, grads, rtol=1e-5, atol=1e-6, label="two processes vs one")
+
+
+PUBLIC_REFUSED = [
+    dict(early_stop=True),
+    dict(loss_type="bnpo"),
+    dict(importance_sampling_level="sequence"),
+    dict(delta=2.0),
+    dict(top_entropy_quantile=0.5),
+    dict(off_policy_mask_threshold=0.5),
+    dict(mask_truncated_completions=True),
+    dict(beta=0.04),
+    dict(scale_rewards="batch"),
+    dict(multi_objective_aggregation="normalize_then_sum"),
+    dict(leave_one_out=True),
+]
+
+
+@pytest.mark.parametrize("overrides", PUBLIC_REFUSED, ids=[next(iter(overrides)) for overrides in PUBLIC_REFUSED])
+def test_the_public_estimator_refuses_what_the_public_objective_has_no_place_for(overrides, tmp_path):
+    (name,) = overrides
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8)
+    with pytest.raises(ValueError, match=f"`{name}=.*estimator='public'"):
+        JustGRPOConfig(**settings, **dict(early_stop=False) | overrides, estimator="public")
+    JustGRPOConfig(**settings, **dict(early_stop=False) | overrides)  # the package's estimator takes it
+
+
+def test_every_public_refusal_is_tested():
+    assert {next(iter(overrides)) for overrides in PUBLIC_REFUSED} == set(JustGRPOConfig.public_estimator_fields)
 
 
 # ---------------------------------------------------------------------------------------------------- rollouts

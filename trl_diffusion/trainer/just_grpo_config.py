@@ -1,13 +1,16 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..validation import FieldRule, integer
+from ..validation import FieldRule, choice, integer
 from .base_config import DiffusionRLConfig, _trl_defaults, sampler_field
 
 # Why each sampler setting the left-to-right rollout cannot take is refused (the accepted value is the default).
 _ONE_POSITION_PER_STEP = (
     "with `block_length=1` every denoising step has one masked position to commit, so this setting changes nothing"
 )
+
+# `estimator`: this package's objective, or the public code's (LeapLabTHU/JustGRPO `grpo.py`).
+JUST_GRPO_ESTIMATORS = ("package", "public")
 
 
 @dataclass
@@ -40,6 +43,15 @@ class JustGRPOConfig(DiffusionRLConfig):
     `beta=0`, full-parameter training, and evaluation with the ordinary parallel sampler
     (`examples/just_grpo_gsm8k.py`).
 
+    `estimator="public"` trains the public code's objective instead of TRL's loss (see [`JustGRPOTrainer`]): every
+    canvas position, the EOS fill included, per token `-min(rho A, clip(rho) A) / (L (N_valid + 1e-5))`, with
+    N_valid the samples with A != 0, TRL's group advantage `(r - mean) / (std + 1e-4)` (the code's), no KL. The
+    settings that objective has no place for are refused with it (`public_estimator_fields`): TRL's loss options
+    (`loss_type`, `importance_sampling_level`, `delta`, `top_entropy_quantile`, `off_policy_mask_threshold`,
+    `mask_truncated_completions`), the KL (`beta`), the other advantages (`scale_rewards`,
+    `multi_objective_aggregation`, `leave_one_out`), and `early_stop=True` (the code samples and trains every
+    position after the answer too: set `early_stop=False`).
+
     Parameters:
 
         just_grpo_positions_per_forward (`int`, *optional*, defaults to `8`):
@@ -48,6 +60,12 @@ class JustGRPOConfig(DiffusionRLConfig):
             A micro-batch takes `ceil(W / positions_per_forward)` passes with gradients, one backward each (activation
             memory is that of one pass whatever L), plus as many without gradients; W is the widest answer of the
             rollout batch (at most L). `1` is the public code's one position per forward and backward.
+        estimator (`str`, *optional*, defaults to `"package"`):
+            The objective. `package`: TRL's token-level GRPO loss on the answer (TRL's completion mask), every TRL
+            loss option. `public`: the public code's objective, on every one of the L canvas positions (the EOS
+            fill after the answer included; W = L), scale `1 / (L (N_valid + 1e-5))` with N_valid the samples of the
+            rollout batch with A != 0, no KL; it needs `early_stop=False` and refuses the settings it has no place
+            for (see above).
     """
 
     just_grpo_positions_per_forward: int = field(
@@ -62,6 +80,14 @@ class JustGRPOConfig(DiffusionRLConfig):
     loss_type: str = field(
         default="dr_grpo",
         metadata={"help": "TRL's token-level loss aggregation (JustGRPO: dr_grpo, a constant weight per token)."},
+    )
+    estimator: str = field(
+        default="package",
+        metadata={
+            "help": "The objective: `package` (TRL's token loss on the answer) or `public` (the public code's: every "
+            "canvas position, EOS fill included, scale 1 / (L N_valid), no KL; needs early_stop=False).",
+            "choices": list(JUST_GRPO_ESTIMATORS),
+        },
     )
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
@@ -99,6 +125,41 @@ class JustGRPOConfig(DiffusionRLConfig):
         ),
     }
 
+    # With `estimator="public"`: name -> (the accepted values, why the public code's objective has no place for
+    # another). `__post_init__` raises on any other value.
+    public_estimator_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "early_stop": (
+            (False,),
+            "the public code samples every canvas position and trains them all, the EOS fill after the answer "
+            "included, so the fill must be sampled from the policy, not written as EOS",
+        ),
+        "loss_type": (("dr_grpo",), "the public code's scale 1 / (L N_valid) replaces TRL's aggregations"),
+        "importance_sampling_level": (("token",), "the public code's ratio is per token"),
+        "delta": ((None,), "the public code clips the ratio one-sidedly, `min(rho A, clip(rho) A)`"),
+        "top_entropy_quantile": ((1.0,), "the public code trains every position"),
+        "off_policy_mask_threshold": ((None,), "the public code trains every position"),
+        "mask_truncated_completions": ((False,), "the public code trains every position of every completion"),
+        "beta": ((0.0,), "the public code has no KL term and no reference model"),
+        "scale_rewards": (("group",), "the public code's advantage is `(r - mean) / (std + 1e-4)` over the group"),
+        "multi_objective_aggregation": (
+            ("sum_then_normalize",),
+            "the public code's advantage normalises the reward within its group",
+        ),
+        "leave_one_out": ((False,), "the public code's baseline is the group mean"),
+    }
+
     field_rules: ClassVar[dict[str, FieldRule]] = {
         "just_grpo_positions_per_forward": integer(1, note="completion positions per forward pass"),
+        "estimator": choice(JUST_GRPO_ESTIMATORS),
     }
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.estimator != "public":
+            return
+        for name, (accepted, reason) in self.public_estimator_fields.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(
+                    f"`{name}={getattr(self, name)!r}` does not go with `estimator='public'` ({reason}). Set "
+                    f"`{name}={accepted[0]!r}`, or use `estimator='package'`."
+                )

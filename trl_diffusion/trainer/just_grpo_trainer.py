@@ -40,6 +40,18 @@ class JustGRPOTrainer(DiffusionRLTrainer):
     parallel sampler (the paper keeps it; `TaskEvaluationCallback` and `trl-diffusion eval` take their own
     generation config).
 
+    Reference mode, `estimator="public"`: the public code's objective (LeapLabTHU/JustGRPO `grpo.py`) replaces TRL's
+    loss, through the same two sweeps (`public_loss`). Every canvas position is scored (W = L, the EOS fill after
+    the answer included, no completion mask), per token `-min(rho A_b, clip(rho, 1 - eps, 1 + eps_high) A_b)`,
+    summed and divided by `L (N_valid + 1e-5)`, N_valid the rows of the rollout batch with A != 0 (all processes,
+    counted in `_score_rollouts` as `num_valid_samples`); the advantages are TRL's group ones, the code's formula.
+    The code divides by the per-rank mean of N_valid, the same on every rank, so its gradient averaged over ranks is
+    the sum over all their rows divided by `L (N_valid of all ranks + ranks x 1e-5)`; here each process's loss is
+    multiplied by the number of processes, so that P processes compute what one process does with all the rows:
+    the code's scale exactly on one process. A rollout batch split into S micro-batches (`steps_per_generation`)
+    divides by `N_valid / S`, the mean per micro-batch, and the micro-batches are not divided by the accumulation
+    steps: the code sums its accumulation steps, each divided by its own N_valid.
+
     Arguments are those of [`DiffusionRLTrainer`], with `args` a [`JustGRPOConfig`].
 
     Example:
@@ -100,6 +112,16 @@ class JustGRPOTrainer(DiffusionRLTrainer):
         width = torch.tensor([min(num_scored, self.args.max_completion_length)], device=self.accelerator.device)
         return int(self.accelerator.gather(width).max())
 
+    def scored_layout(self, inputs: dict) -> tuple[int, int]:
+        """`(W, columns)`: the canvas positions scored and the columns of the log-probs. The package's estimator:
+        `scored_width` of TRL's completion width, laid out as TRL's completions; the public code's: every canvas
+        position, `W = columns = L`."""
+        if self.args.estimator == "public":
+            length = inputs["completion_canvas"].shape[1]
+            return length, length
+        num_scored = inputs["completion_ids"].shape[1]
+        return self.scored_width(num_scored), num_scored
+
     def position_chunks(self, width: int) -> list[range]:
         """The positions `0..width-1` in passes of `just_grpo_positions_per_forward`."""
         size = self.args.just_grpo_positions_per_forward
@@ -136,17 +158,24 @@ class JustGRPOTrainer(DiffusionRLTrainer):
         return results[0], results[1]
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
+        scores = {}
+        if self.args.estimator == "public":
+            # The public code's N_valid over the rollout batch of every process (a scalar, which TRL's split keeps).
+            valid = (inputs["advantages"] != 0).sum().reshape(1)
+            scores["num_valid_samples"] = self.accelerator.gather(valid).sum().float()
         if not (mode == "train" and self.is_off_policy) and self.beta == 0.0:
-            return {}
-        num_scored = inputs["completion_ids"].shape[1]
-        width = self.scored_width(num_scored)
+            return scores
+        width, columns = self.scored_layout(inputs)
 
         def score(model, chunk, iteration):
-            return self.all_autoregressive_logps(model, chunk, width, num_scored)[0]
+            return self.all_autoregressive_logps(model, chunk, width, columns)[0]
 
-        return self.old_and_reference_scores(inputs, mode, score, "autoregressive_logps", per_iteration=False)
+        old_and_reference = self.old_and_reference_scores(
+            inputs, mode, score, "autoregressive_logps", per_iteration=False
+        )
+        return {**scores, **old_and_reference}
 
-    # ------------------------------------------------------------------ TRL's loss on them
+    # ------------------------------------------------------------------ the loss on them: TRL's or the public code's
 
     def _completion_logps(self, model, inputs: dict, logits_to_keep: int, compute_entropy: bool = False):
         return inputs["autoregressive_logps"], inputs["autoregressive_entropies"] if compute_entropy else None, None
@@ -164,46 +193,75 @@ class JustGRPOTrainer(DiffusionRLTrainer):
         with self.trl_loss_batch(inputs):
             return super()._compute_loss(model, inputs)
 
+    def public_loss(self, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor, mode: str) -> torch.Tensor:
+        """The public code's objective (`estimator="public"`) on the log-probs of every canvas position, `(B, L)`:
+        `sum_{b,t} -min(rho A_b, clip(rho) A_b) P / (L (N_valid / S + 1e-5))`, rho against the stored old log-probs
+        (1 on-policy), N_valid the rollout batch's `num_valid_samples`, S its micro-batches, P the processes (see the
+        class docstring). Logs TRL's `entropy` and `clip_ratio/region_mean`, over every position."""
+        advantages = inputs["advantages"][:, None]
+        old = inputs.get("old_autoregressive_logps", logps.detach())
+        ratio = torch.exp(logps - old)
+        clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+        micro_batches = self.args.steps_per_generation if mode == "train" else 1
+        valid_per_micro_batch = inputs["num_valid_samples"] / micro_batches
+        scale = self.accelerator.num_processes / (logps.shape[1] * (valid_per_micro_batch + 1e-5))
+
+        # TRL's definitions: the ratio clipped where the clip binds (below for A < 0, above for A > 0).
+        clipped_low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
+        clipped_high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+        for name, value in (
+            ("entropy", entropies.mean()),
+            ("clip_ratio/region_mean", (clipped_low | clipped_high).float().mean()),
+        ):
+            self._metrics[mode][name].append(self.accelerator.gather(value.detach().reshape(1)).mean().item())
+        return per_token.sum() * scale
+
+    def objective(self, model, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor, mode: str) -> torch.Tensor:
+        """The micro-batch loss as a function of the scored log-probs: TRL's (`estimator="package"`) or the public
+        code's."""
+        if self.args.estimator == "public":
+            return self.public_loss(inputs, logps, entropies, mode)
+        return self.trl_loss(model, inputs, logps, entropies)
+
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
         """One piece per pass of `just_grpo_positions_per_forward` positions (see the class docstring)."""
-        num_scored = inputs["completion_ids"].shape[1]
-        width = self.scored_width(num_scored)
+        width, columns = self.scored_layout(inputs)
         chunks = self.position_chunks(width)
-        return len(chunks), self._chunk_losses(model, inputs, chunks, width, num_scored, mode)
+        return len(chunks), self._chunk_losses(model, inputs, chunks, width, columns, mode)
 
-    def _chunk_losses(self, model, inputs, chunks, width, num_scored, mode) -> Iterator[torch.Tensor]:
+    def _chunk_losses(self, model, inputs, chunks, width, columns, mode) -> Iterator[torch.Tensor]:
         with torch.no_grad():
-            logps, entropies = self.all_autoregressive_logps(model, inputs, width, num_scored)
+            logps, entropies = self.all_autoregressive_logps(model, inputs, width, columns)
         logps.requires_grad_(True)
         with torch.enable_grad():
-            loss = self.trl_loss(model, inputs, logps, entropies)
+            loss = self.objective(model, inputs, logps, entropies, mode)
             (weights,) = torch.autograd.grad(loss, logps, allow_unused=True)
         # The weight of each scored position, over the passes' positions (0 for those TRL's completions cut off).
         weights = torch.zeros_like(logps) if weights is None else weights
-        columns = min(width, num_scored)
-        weights = torch.nn.functional.pad(weights[:, :columns], (0, width - columns))
+        scored = min(width, columns)
+        weights = torch.nn.functional.pad(weights[:, :scored], (0, width - scored))
         self._log_likelihood_metrics(mode, logps.detach(), inputs["completion_mask"])
         share = loss.detach() / len(chunks)
         for chunk in chunks:
             chunk_logps = self.autoregressive_logps(model, inputs, chunk)
             surrogate = (weights[:, chunk.start : chunk.stop] * chunk_logps).sum()
-            # Gradient: this pass's share of TRL's loss; value: an equal share of it (the pieces sum to the loss).
+            # Gradient: this pass's share of the loss; value: an equal share of it (the pieces sum to the loss).
             yield surrogate - surrogate.detach() + share
 
     def _log_likelihood_metrics(self, mode: str, logps: torch.Tensor, completion_mask: torch.Tensor) -> None:
         """`log_likelihood/mean`: the exact log-likelihood of the answers (sum over TRL's completion mask), averaged
         over the completions of every process."""
-        sequence = (logps * completion_mask).sum(dim=1)
+        sequence = (logps[:, : completion_mask.shape[1]] * completion_mask).sum(dim=1)
         self._metrics[mode]["log_likelihood/mean"].append(self.accelerator.gather(sequence).mean().item())
 
     def _compute_loss(self, model, inputs):
-        """TRL's loss on the exact log-probs. Training goes through `training_step`, which back-propagates each pass
+        """The objective on the exact log-probs. Training goes through `training_step`, which back-propagates each pass
         on its own; with gradients enabled here (outside it) every pass stays in one graph."""
         mode = "train" if self.model.training else "eval"
         if torch.is_grad_enabled():
             return sum(self.loss_pieces(model, inputs, mode)[1])
-        num_scored = inputs["completion_ids"].shape[1]
-        width = self.scored_width(num_scored)
-        logps, entropies = self.all_autoregressive_logps(model, inputs, width, num_scored)
+        width, columns = self.scored_layout(inputs)
+        logps, entropies = self.all_autoregressive_logps(model, inputs, width, columns)
         self._log_likelihood_metrics(mode, logps, inputs["completion_mask"])
-        return self.trl_loss(model, inputs, logps, entropies)
+        return self.objective(model, inputs, logps, entropies, mode)
