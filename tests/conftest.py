@@ -4,10 +4,19 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc  # noqa: E402
+
+import peft  # noqa: E402, F401
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import trl  # noqa: E402, F401
+import trl.trainer.grpo_trainer  # noqa: E402, F401
 
 from trl_diffusion.models import DiffusionAdapter, build_tiny_bidirectional_llama, build_tiny_tokenizer  # noqa: E402
+
+# accelerate's `free_memory` runs a full `gc.collect()` at every `Trainer.train()` (0.5 to 1 s over a heap of
+# imported modules): the objects alive now (the libraries) are left out of every later collection.
+gc.freeze()
 
 
 @pytest.fixture(scope="session")
