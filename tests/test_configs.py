@@ -292,8 +292,9 @@ SPECS = {
     AGRPOConfig: Spec(
         parent=TrajectoryRLConfig,
         changes=frozenset({"transition_selection", "num_selected_transitions", "old_logprobs", "remasking"})
-        | {"scale_rewards", "temperature", "learning_rate", "weight_decay", "lookahead_return_weight"},
+        | {"scale_rewards", "temperature", "learning_rate", "weight_decay", "lookahead_return_weight", "estimator"},
         defaults=dict(
+            estimator="package",
             transition_selection="entropy",
             num_selected_transitions=24,
             old_logprobs="sampler",
@@ -386,6 +387,7 @@ SEPARATE_CLI_VALUES = {
     "estimator": ("public", {"early_stop": False}),
     # The sampler's log-probs are refused for merged transitions.
     "old_logprobs": ("sampler", {"transition_grouping": 1}),
+    "transition_grouping": (2, {"old_logprobs": "recompute"}),
 }
 # The public code's objectives refuse most other fields' non-default values: parsed with the defaults instead.
 PARSED_WITH_DEFAULTS = {"estimator"}

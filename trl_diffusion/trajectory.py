@@ -13,7 +13,8 @@ depends on the policy under confidence-based remasking, and on nothing learnt un
 
 Transitions are selected per completion (`select_transitions`): all of them, a stratified Monte Carlo sample drawn
 uniformly or in proportion to the sampler's entropies with importance weights (unbiased for the sum over all of
-them), or the K of highest mean entropy (EGSPO; deterministic and biased).
+them), or the K of highest mean entropy (EGSPO; deterministic and biased). AGRPO's public code draws its steps its own
+way (`last_content_steps`, `batch_stratified_uniforms`, `public_step_draws`: `AGRPOConfig.estimator="public"`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from .likelihood import _scored_logprobs
 from .models.adapter import DiffusionAdapter
-from .seeding import TRAJECTORY_TRANSITIONS, keyed_generator
+from .seeding import TRAJECTORY_TRANSITIONS, derive_seed, keyed_generator
 
 TRANSITION_SELECTIONS = ("all", "uniform", "entropy", "top_entropy")
 # Selections drawn at random per inner iteration (with importance weights); the others are fixed per rollout.
@@ -32,6 +33,8 @@ MONTE_CARLO_SELECTIONS = ("uniform", "entropy")
 # Share of the mean transition entropy below which no transition's probability of being drawn falls, so that every
 # transition can be drawn (the estimate stays unbiased) even when the sampler was certain of its tokens.
 ENTROPY_FLOOR = 1e-3
+# AGRPO's code starts every step's entropy mass at 1e-8 (an additive floor, not a share of the mean).
+PUBLIC_ENTROPY_FLOOR = 1e-8
 
 
 @dataclass
@@ -312,6 +315,65 @@ def draw_uniforms(seeds: torch.LongTensor, iteration: int, num_draws: int) -> to
             for seed in seeds.tolist()
         ]
     ).to(seeds.device)
+
+
+def last_content_steps(
+    commit_step: torch.LongTensor, completion_ids: torch.LongTensor, terminator_ids
+) -> torch.LongTensor:
+    """AGRPO's `last`: per row, the last step that committed a token other than a terminator, shape `(batch,)`; -1
+    for a row of terminators only (AGRPO's code asserts there is none)."""
+    terminators = torch.as_tensor(list(terminator_ids), dtype=completion_ids.dtype, device=completion_ids.device)
+    content = ~torch.isin(completion_ids, terminators) & (commit_step >= 0)
+    return commit_step.masked_fill(~content, -1).max(dim=1).values
+
+
+def batch_stratified_uniforms(seeds: torch.LongTensor, iteration: int, num_draws: int) -> torch.Tensor:
+    """AGRPO's low-discrepancy offsets of a micro-batch of B rows, shape `(B, M)`: `u = (perm + U) / (B M)` viewed
+    `(B, M)`, for a random permutation `perm` of `0 .. B M - 1` and B M uniforms U, so that the batch's B M draws lie
+    one in each stratum of width `1 / (B M)` (stratified over the batch, not per row). From one generator keyed
+    `derive_seed(derive_seed(*mask seeds of the rows), iteration, TRAJECTORY_TRANSITIONS)`: the same for the same
+    rows on any process and after a resume."""
+    size = seeds.numel() * num_draws
+    generator = keyed_generator(derive_seed(*seeds.tolist()), iteration, TRAJECTORY_TRANSITIONS)
+    permutation = torch.randperm(size, generator=generator)
+    offsets = torch.rand(size, generator=generator, dtype=torch.float64)
+    return ((permutation + offsets) / size).view(-1, num_draws).to(seeds.device)
+
+
+def public_step_draws(
+    last_step: torch.LongTensor, uniforms: torch.Tensor, step_entropy: torch.Tensor | None = None
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """AGRPO's code's draws of sampler steps on `{0 .. last}` and their importance weights, each of shape `(B, M)`.
+
+    Without `step_entropy` (`importance_sampling="uniform"`): `k = floor(u (last + 1))`, weight 1. With it
+    (`"entropy"`): `p(k) ∝ PUBLIC_ENTROPY_FLOOR + sum_{n : c_n = k} H_n` on `{0 .. last}`, `k` the first step whose
+    cumulative probability reaches u, weight `(1 / (last + 1)) / p(k)`. Either way `E[w f(k)]` is the mean of f over
+    `{0 .. last}`. A row with `last = -1` gets step -1 and weight 0.
+
+    Args:
+        last_step (`torch.LongTensor` of shape `(B,)`):
+            [`last_content_steps`].
+        uniforms (`torch.Tensor` of shape `(B, M)`):
+            The offsets ([`batch_stratified_uniforms`]).
+        step_entropy (`torch.Tensor` of shape `(B, steps)`, *optional*):
+            The sampler's entropy summed over the positions committed at each step, at least `last + 1` columns.
+    """
+    count = (last_step + 1).clamp(min=1).to(torch.float64)[:, None]
+    last = last_step.clamp(min=0)[:, None]
+    if step_entropy is None:
+        steps = (uniforms.double() * count).floor().long()
+        weights = torch.ones_like(uniforms, dtype=torch.float64)
+    else:
+        index = torch.arange(step_entropy.shape[1], device=step_entropy.device)
+        mass = (step_entropy.double() + PUBLIC_ENTROPY_FLOOR).masked_fill(index[None, :] > last, 0.0)
+        probabilities = mass / mass.sum(dim=1, keepdim=True)
+        steps = torch.searchsorted(probabilities.cumsum(dim=1), uniforms.double().contiguous())
+        # Rounding can leave the last cumulative probability under u.
+        steps = torch.minimum(steps, last)
+        weights = (1.0 / count) / probabilities.gather(1, steps)
+    valid = (last_step >= 0)[:, None]
+    steps = torch.minimum(steps, last).masked_fill(~valid, -1)
+    return steps, weights.masked_fill(~valid, 0.0)
 
 
 def state_logprobs(

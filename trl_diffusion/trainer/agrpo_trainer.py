@@ -3,8 +3,63 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
 from ..generation import cut_at_terminator
+from ..trajectory import (
+    TrajectoryPlan,
+    TransitionSelection,
+    batch_stratified_uniforms,
+    last_content_steps,
+    public_step_draws,
+)
+from ..trajectory import trajectory_plan as plan_of
 from .agrpo_config import AGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+
+# TRL's epsilon under the standard deviation that scales the advantages.
+STD_EPSILON = 1e-4
+
+
+def stepwise_advantages(
+    final: torch.Tensor,
+    lookahead: torch.Tensor,
+    valid: torch.BoolTensor,
+    group_size: int,
+    weight: float,
+    scale_rewards: str = "none",
+    leave_one_out: bool = False,
+) -> torch.Tensor:
+    """EGSPO-SA's advantages of the slots of a gathered batch, shape `(rows, slots)`, 0 where a slot is invalid.
+
+    The return of slot j of row i is `ret = (R_i + weight (R_i - r_ij)) / (1 + weight)`; its advantage is `ret` minus
+    the mean of the n valid returns of the group at the same slot, then scaled as TRL scales sequence advantages
+    (`scale_rewards`: `"group"` divides by the standard deviation of those n returns, `"batch"` by that of every
+    valid return of the batch, both with Bessel's correction and plus `STD_EPSILON`; `"none"` leaves it), then, with
+    `leave_one_out`, multiplied by `n / (n - 1)` (`n > 1`), the base's leave-one-out of TRL's advantages.
+
+    Args:
+        final (`torch.Tensor` of shape `(rows,)`):
+            R, the completions' rewards (NaN where none was scored).
+        lookahead (`torch.Tensor` of shape `(rows, slots)`):
+            r, the rewards of the look-ahead completions (NaN where none was scored).
+        valid (`torch.BoolTensor` of shape `(rows, slots)`):
+            The slots that hold a selected transition.
+    """
+    returns = (final[:, None] + weight * (final[:, None] - lookahead)) / (1 + weight)
+    valid = valid & ~torch.isnan(returns)
+    slots = returns.shape[1]
+    grouped = returns.masked_fill(~valid, 0.0).view(-1, group_size, slots)
+    grouped_valid = valid.view(-1, group_size, slots).to(returns.dtype)
+    count = grouped_valid.sum(dim=1, keepdim=True)
+    advantages = (grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)) * grouped_valid
+    if scale_rewards == "group":
+        std = ((advantages**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        advantages = advantages / (std + STD_EPSILON)
+    elif scale_rewards == "batch":
+        scored = returns[valid]
+        std = scored.std() if scored.numel() > 1 else scored.new_zeros(())
+        advantages = advantages / (std + STD_EPSILON)
+    if leave_one_out:
+        advantages = advantages * torch.where(count > 1, count / (count - 1).clamp(min=1), torch.ones_like(count))
+    return advantages.view(-1, slots)
 
 
 class AGRPOTrainer(TrajectoryRLTrainer):
@@ -18,7 +73,16 @@ class AGRPOTrainer(TrajectoryRLTrainer):
     `A_{i,k} = ret_{i,k} - mean_{j in group} ret_{j,k}` with `ret = (R + lambda (R - r_k)) / (1 + lambda)`, the group
     mean taken at the same selected index (EGSPO's code). With every step drawn uniformly:
     `loss = (1/B) sum_i (1/S_i) sum_k mean_{n in D_k} -min(rho_n A_i, clip(rho_n, 1 +- 0.2) A_i)`, estimated by
-    `(1/M) sum_m w_m (...)` over the draws.
+    `(1/M) sum_m w_m (...)` over the draws. The look-ahead advantages honour `scale_rewards` and `leave_one_out` per
+    selected index ([`stepwise_advantages`]).
+
+    `estimator="public"` replaces the plan, the draws and the reduction with those of AGRPO's public `compute_loss`:
+    per completion, `last` the last step that committed a non-terminator, the targets every sampled token committed
+    at steps `0 .. last`, M draws of steps on `{0 .. last}` stratified over the micro-batch (one generator keyed by
+    its rows' mask seeds), weights `(1/(last+1))/p(k)`, and
+    `loss = (1/(M G)) sum_i sum_m w_{i,m} sum_{n in D_{k_m}} -min(rho_n A_i, clip(rho_n, 1 +- 0.2) A_i)` per process.
+    The package's engineering stays (chunks of states back-propagated piece by piece, a step drawn several times
+    scored once with its weights added, the keyed generators): it changes no value.
 
     Arguments are those of [`DiffusionRLTrainer`], with `args` an [`AGRPOConfig`].
 
@@ -78,7 +142,7 @@ class AGRPOTrainer(TrajectoryRLTrainer):
 
     def lookahead_advantages(self, inputs: dict) -> torch.Tensor:
         """EGSPO-SA's advantage of every scored (row, transition), shape `(B, max_transitions)` (see the class
-        docstring); 0 where the completion or its look-ahead is unscored."""
+        docstring and [`stepwise_advantages`]); 0 where the completion or its look-ahead is unscored."""
         plan = self.stored_plan(inputs)
         kept = self.kept_rows(inputs)
         selection = self.select_transitions(inputs, plan, kept)
@@ -108,22 +172,66 @@ class AGRPOTrainer(TrajectoryRLTrainer):
         # TRL's reward computation (gathered over processes), without the rollout bookkeeping of the override.
         rewards_per_func = GRPOTrainer._calculate_rewards(self, examples, prompts, completions, completion_ids)
         lookahead = self.weighted_rewards(rewards_per_func)
-        final = self._rollout_rewards
-        group_size = self.num_generations
-        valid = self.accelerator.gather(slot_valid)
-        lookahead = lookahead.view(-1, slots)
-        weight = self.args.lookahead_return_weight
-        returns = (final[:, None] + weight * (final[:, None] - lookahead)) / (1 + weight)
-        valid = valid & ~torch.isnan(returns)
-        grouped_returns = returns.masked_fill(~valid, 0.0).view(-1, group_size, slots)
-        grouped_valid = valid.view(-1, group_size, slots).float()
-        baseline = grouped_returns.sum(dim=1, keepdim=True) / grouped_valid.sum(dim=1, keepdim=True).clamp(min=1)
-        advantages = ((grouped_returns - baseline) * grouped_valid).view(-1, slots)
+        advantages = stepwise_advantages(
+            self._rollout_rewards,
+            lookahead.view(-1, slots),
+            self.accelerator.gather(slot_valid),
+            self.num_generations,
+            self.args.lookahead_return_weight,
+            scale_rewards=self.args.scale_rewards,
+            leave_one_out=self.args.leave_one_out,
+        )
         first_row = self.accelerator.process_index * num_rows
         advantages = advantages[first_row : first_row + num_rows].to(device)
         self._metrics["train"]["trajectory/lookahead_reward_mean"].append(lookahead.nanmean().item())
         per_transition = torch.zeros(num_rows, width, device=device)
         return per_transition.scatter_add_(1, slot_transition, advantages * slot_valid)
+
+    # ------------------------------------------------------------------ estimator="public"
+
+    def last_steps(self, inputs: dict) -> torch.LongTensor:
+        """AGRPO's `last` of each completion (see [`~trajectory.last_content_steps`]), shape `(batch,)`."""
+        return last_content_steps(inputs["commit_step"], inputs["completion_canvas"], self.adapter.terminator_ids)
+
+    def trajectory_plan(self, inputs: dict) -> TrajectoryPlan:
+        if self.args.estimator == "package":
+            return super().trajectory_plan(inputs)
+        # AGRPO's targets: every token sampled at a step up to `last` (EOS included; the early-stop fill is not
+        # sampled, and AGRPO's code stamps its own fill with a later step).
+        commit_step = inputs["commit_step"]
+        up_to_last = (commit_step >= 0) & (commit_step <= self.last_steps(inputs)[:, None])
+        return plan_of(commit_step, inputs["commit_sampled"] & up_to_last, blocks=self.completion_blocks(inputs))
+
+    def select_transitions(self, inputs: dict, plan: TrajectoryPlan, kept: torch.Tensor) -> TransitionSelection:
+        if self.args.estimator == "package":
+            return super().select_transitions(inputs, plan, kept)
+        num_draws = self.args.num_selected_transitions
+        last = self.last_steps(inputs)
+        uniforms = batch_stratified_uniforms(inputs["mask_seeds"], inputs["inner_iteration"], num_draws)
+        step_entropy = None
+        if self.args.transition_selection == "entropy":
+            commit_step = inputs["commit_step"]
+            width = max(int(last.max()) + 1, 1)
+            up_to_last = (commit_step >= 0) & (commit_step <= last[:, None])
+            entropy = inputs["commit_entropy"].double() * up_to_last
+            step_entropy = entropy.new_zeros(len(last), width)
+            step_entropy.scatter_add_(1, commit_step.clamp(0, width - 1), entropy)
+        steps, weights = public_step_draws(last, uniforms, step_entropy)
+        # A drawn step's transition in the plan; a step that committed no target adds 0 and is dropped.
+        matches = (plan.state_step[:, None, :] == steps[:, :, None]) & (steps[:, :, None] >= 0)
+        chosen = matches.any(dim=2) & (kept[:, None] > 0)
+        rows = torch.arange(len(last), device=steps.device)[:, None].expand_as(steps)
+        transitions = matches.long().argmax(dim=2)
+        return TransitionSelection(rows[chosen], transitions[chosen], weights[chosen] / num_draws)
+
+    def token_coefficients(self, plan: TrajectoryPlan, kept: torch.Tensor) -> torch.Tensor:
+        if self.args.estimator == "package":
+            return super().token_coefficients(plan, kept)
+        # AGRPO's token sums over G per process (the draws carry 1/M); data parallelism averages the processes.
+        targets = (plan.transition_index >= 0).to(kept.dtype)
+        return targets * kept[:, None] / self.num_generations
+
+    # ------------------------------------------------------------------ advantages
 
     def position_advantages(self, inputs: dict, rows: torch.LongTensor, transitions: torch.LongTensor):
         if "lookahead_advantages" in inputs:
