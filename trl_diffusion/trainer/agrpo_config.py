@@ -3,13 +3,11 @@ from typing import ClassVar
 
 from ..trajectory import TRANSITION_SELECTIONS
 from ..validation import FieldRule, choice, number
-from .base_config import sampler_field
+from .base_config import ESTIMATORS, sampler_field
 from .trajectory_config import OLD_LOGPROB_SOURCES, TrajectoryRLConfig
 
 # The selections whose transitions are fixed per rollout, so that look-ahead rewards can be computed for them.
 LOOKAHEAD_SELECTIONS = ("all", "top_entropy")
-# `package`: this package's reduction and draws; `public`: the objective of AGRPO's public code (`compute_loss`).
-ESTIMATORS = ("package", "public")
 # The selections AGRPO's code offers (`importance_sampling`: uniform or entropy).
 PUBLIC_SELECTIONS = ("uniform", "entropy")
 

@@ -86,6 +86,24 @@ TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "
 _VLLM_FIELDS = " ".join(name for name in GRPOConfig.__dataclass_fields__ if name.startswith("vllm_"))
 
 
+# `estimator` of the trainers that also offer their public code's objective (SPG, JustGRPO, AGRPO): the package's
+# objective, or the public code's.
+ESTIMATORS = ("package", "public")
+
+
+def check_public_estimator_fields(config) -> None:
+    """With `config.estimator == "public"`, raises on a field of `config.public_estimator_fields` (name -> (the
+    accepted values, why the public code's objective has no place for another)) set to another value."""
+    if config.estimator != "public":
+        return
+    for name, (accepted, reason) in config.public_estimator_fields.items():
+        if getattr(config, name) not in accepted:
+            raise ValueError(
+                f"`{name}={getattr(config, name)!r}` does not go with `estimator='public'` ({reason}). Set "
+                f"`{name}={accepted[0]!r}`, or use `estimator='package'`."
+            )
+
+
 @dataclass
 class DiffusionRLConfig(GRPOConfig):
     r"""

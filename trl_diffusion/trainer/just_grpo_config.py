@@ -2,15 +2,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..validation import FieldRule, choice, integer
-from .base_config import DiffusionRLConfig, _trl_defaults, sampler_field
+from .base_config import ESTIMATORS, DiffusionRLConfig, _trl_defaults, check_public_estimator_fields, sampler_field
 
 # Why each sampler setting the left-to-right rollout cannot take is refused (the accepted value is the default).
 _ONE_POSITION_PER_STEP = (
     "with `block_length=1` every denoising step has one masked position to commit, so this setting changes nothing"
 )
-
-# `estimator`: this package's objective, or the public code's (LeapLabTHU/JustGRPO `grpo.py`).
-JUST_GRPO_ESTIMATORS = ("package", "public")
 
 
 @dataclass
@@ -86,7 +83,7 @@ class JustGRPOConfig(DiffusionRLConfig):
         metadata={
             "help": "The objective: `package` (TRL's token loss on the answer) or `public` (the public code's: every "
             "canvas position, EOS fill included, scale 1 / (L N_valid), no KL; needs early_stop=False).",
-            "choices": list(JUST_GRPO_ESTIMATORS),
+            "choices": list(ESTIMATORS),
         },
     )
 
@@ -150,16 +147,9 @@ class JustGRPOConfig(DiffusionRLConfig):
 
     field_rules: ClassVar[dict[str, FieldRule]] = {
         "just_grpo_positions_per_forward": integer(1, note="completion positions per forward pass"),
-        "estimator": choice(JUST_GRPO_ESTIMATORS),
+        "estimator": choice(ESTIMATORS),
     }
 
     def __post_init__(self):
         super().__post_init__()
-        if self.estimator != "public":
-            return
-        for name, (accepted, reason) in self.public_estimator_fields.items():
-            if getattr(self, name) not in accepted:
-                raise ValueError(
-                    f"`{name}={getattr(self, name)!r}` does not go with `estimator='public'` ({reason}). Set "
-                    f"`{name}={accepted[0]!r}`, or use `estimator='package'`."
-                )
+        check_public_estimator_fields(self)

@@ -3,11 +3,10 @@ from typing import ClassVar
 
 from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS
 from ..validation import FieldRule, choice, number
+from .base_config import ESTIMATORS, check_public_estimator_fields
 from .sequence_elbo_config import SequenceELBOConfig
 
 NEGATIVE_BOUNDS = ("mix", "eubo", "elbo", "none")
-# `estimator`: this package's objective, or the public code's (facebookresearch/SPG `spg/spg_trainer.py`, a1c71209).
-SPG_ESTIMATORS = ("package", "public")
 # SPG's recipe (`spg/slurm_scripts/train.yaml`: `use_mask_prompt: true`, `p_mask_prompt: 0.15`, which no SPG run
 # overrides): the rate at which the public code masks prompt tokens and the clean blocks' tokens in each view.
 SPG_CODE_P_MASK_PROMPT = 0.15
@@ -97,7 +96,7 @@ class SPGConfig(SequenceELBOConfig):
             "help": "The objective: `package` (the block bounds, the scored block's mask applied) or `public` (SPG's "
             "code's: every masked answer token scored, later blocks included, the prompt and clean blocks perturbed "
             "with probability 0.15, per-view token means and the empirical mask rate over the answer).",
-            "choices": list(SPG_ESTIMATORS),
+            "choices": list(ESTIMATORS),
         },
     )
 
@@ -139,7 +138,7 @@ class SPGConfig(SequenceELBOConfig):
 
     field_rules: ClassVar[dict[str, FieldRule]] = {
         "negative_bound": choice(NEGATIVE_BOUNDS),
-        "estimator": choice(SPG_ESTIMATORS),
+        "estimator": choice(ESTIMATORS),
         "eubo_beta": number(1, note="the order of the upper bound"),
         "eubo_mix_weight": number(0, 1),
     }
@@ -152,11 +151,4 @@ class SPGConfig(SequenceELBOConfig):
                 "bound's per-view token average does not take: use `block` (SPG's), `stratified`, `uniform_t`, "
                 "`stratified_t`, `gauss_2` or `gauss_3`."
             )
-        if self.estimator != "public":
-            return
-        for name, (accepted, reason) in self.public_estimator_fields.items():
-            if getattr(self, name) not in accepted:
-                raise ValueError(
-                    f"`{name}={getattr(self, name)!r}` does not go with `estimator='public'` ({reason}). Set "
-                    f"`{name}={accepted[0]!r}`, or use `estimator='package'`."
-                )
+        check_public_estimator_fields(self)
