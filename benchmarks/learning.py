@@ -22,6 +22,11 @@ model; the reward curve is each step's mean rollout reward.
     python benchmarks/learning.py --trainers trace_rl --set trace_rl.transition_grouping=1 \
         --set trace_rl.pass_rate_range=None --name learning_trace_rl_ablation
 
+`--trainers spg_public just_grpo_public agrpo_public` adds the public code's objective of SPG, JustGRPO and AGRPO
+(`estimator="public"`) as rows of their own, next to the package's (`--name learning_reference_modes`); JustGRPO's and
+AGRPO's take the settings their configs require with it (no KL and no early stop for JustGRPO, the ratio-weighted k3
+for AGRPO).
+
 `--canvas L B` SFTs, trains and evaluates on a canvas of L tokens in blocks of B (default: the task's 4 and 4).
 `--rollouts fast` decodes the training rollouts with the sampler's speed-ups (`FAST_ROLLOUTS`: early stop,
 threshold 0.9, the dual cache when there are several blocks, else the prefix cache); held-out accuracy is always the
@@ -141,6 +146,28 @@ RUN_METRICS = {
     "cj_grpo": ("trajectory/transitions_per_completion",),
     "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),
 }
+
+# The public code's objective of SPG, JustGRPO and AGRPO (`estimator="public"`), each a row of its own next to the
+# package's: the same trainer, budget and seeds. Not in the default `--trainers`.
+REFERENCE_MODES = {f"{name}_public": name for name in ("spg", "just_grpo", "agrpo")}
+for _variant, _base in REFERENCE_MODES.items():
+    TRAINERS[_variant] = TRAINERS[_base]
+    LABELS[_variant] = f"{LABELS[_base]} (public)"
+    BETA[_variant] = BETA[_base]
+    OVERRIDES[_variant] = {**OVERRIDES.get(_base, {}), "estimator": "public"}
+    OBJECTIVE_FIELDS[_variant] = (*OBJECTIVE_FIELDS[_base], "estimator")
+    if _base in RUN_METRICS:
+        RUN_METRICS[_variant] = RUN_METRICS[_base]
+    if _base in LEFT_TO_RIGHT:
+        LEFT_TO_RIGHT.add(_variant)
+    if _base in OWN_STEPS:
+        OWN_STEPS.add(_variant)
+COLORS.update({"spg_public": "darkcyan", "just_grpo_public": "darkolivegreen", "agrpo_public": "darkgoldenrod"})
+# JustGRPO's code has no KL term and samples the fill after the answer (no early stop): its config refuses the others.
+BETA["just_grpo_public"] = 0.0
+OVERRIDES["just_grpo_public"]["early_stop"] = False
+# AGRPO's code weights its k3 by the token ratio (`use_bias_correction_kl`); the others' KL coefficient is kept.
+OVERRIDES["agrpo_public"]["use_bias_correction_kl"] = True
 
 
 @dataclass(frozen=True)
@@ -336,7 +363,13 @@ def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Pa
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = benchmark_parser(__doc__.split("\n\n")[0], "learning", model_dir_help=None)
-    parser.add_argument("--trainers", nargs="+", choices=tuple(TRAINERS), default=list(TRAINERS), help="Trainers.")
+    parser.add_argument(
+        "--trainers",
+        nargs="+",
+        choices=tuple(TRAINERS),
+        default=[name for name in TRAINERS if name not in REFERENCE_MODES],
+        help="Trainers (`NAME_public`: the public code's objective of spg, just_grpo and agrpo).",
+    )
     parser.add_argument("--seeds", type=int, help="Number of seeds (0, 1, ...; default: the preset's, 3).")
     parser.add_argument("--sft-steps", type=int, help="SFT optimiser steps (default: the preset's).")
     parser.add_argument("--rl-steps", type=int, help="RL optimiser steps of every trainer (default: the preset's).")
