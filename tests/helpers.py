@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -295,3 +296,16 @@ def assert_same_update(runs: list[dict], reference: dict, label: str) -> None:
     print(f"{label}: max |update difference| {worst:.3e}, largest update {largest:.3e}")
     assert largest > 1e-3  # the step did move the parameters
     assert worst <= 1e-5 * largest
+
+
+def direct_logps(model, adapter, prompt_ids, prompt_mask, canvas, masked, temperature):
+    """log softmax(logits / T) of one row's canvas tokens with the positions `masked` masked, the mask token
+    excluded, from a direct model call (the oracles' own forward, not the package's likelihood code)."""
+    noisy = canvas.masked_fill(masked, adapter.mask_token_id)
+    input_ids = torch.cat([prompt_ids, noisy])[None]
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy)])[None]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[0]
+    logits = logits[-canvas.shape[0] :].float() / temperature
+    logits[:, adapter.mask_token_id] = -math.inf
+    return logits.log_softmax(-1).gather(-1, canvas[:, None]).squeeze(-1)

@@ -24,6 +24,7 @@ from trl_diffusion.trajectory import TransitionSelection, batch_stratified_unifo
 
 from helpers import (
     assert_same_gradients,
+    direct_logps,
     eos_leaning_checkpoint,
     gradients,
     perturb,
@@ -42,18 +43,6 @@ def make_trainer(model, tmp_path, reward_funcs=None, **settings):
 
 
 # ---------------------------------------------------------------------------------------------- AGRPO's formula
-
-
-def _logps(model, adapter, prompt_ids, prompt_mask, canvas, masked, temperature):
-    """log softmax(logits / T) of the canvas tokens, the mask token excluded, from a direct model call."""
-    noisy = canvas.masked_fill(masked, adapter.mask_token_id)
-    input_ids = torch.cat([prompt_ids, noisy])[None]
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy)])[None]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[0]
-    logits = logits[-canvas.shape[0] :].float() / temperature
-    logits[:, adapter.mask_token_id] = -math.inf
-    return logits.log_softmax(-1).gather(-1, canvas[:, None]).squeeze(-1)
 
 
 def agrpo_public_loss(trainer, inputs, reference=None):
@@ -102,13 +91,13 @@ def agrpo_public_loss(trainer, inputs, reference=None):
                 continue
             state = commit_step[row] >= step
             arguments = (inputs["prompt_ids"][row], inputs["prompt_mask"][row], canvas[row], state, args.temperature)
-            logp = _logps(model, adapter, *arguments)[targets]
+            logp = direct_logps(model, adapter, *arguments)[targets]
             ratio = torch.exp(logp - old[row][targets])
             advantage = inputs["advantages"][row]
             losses = -torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage)
             if args.beta != 0.0:
                 with torch.no_grad():
-                    ref = _logps(reference, adapter, *arguments)[targets]
+                    ref = direct_logps(reference, adapter, *arguments)[targets]
                 losses = losses + args.beta * (torch.exp(ref - logp) - (ref - logp) - 1) * ratio
             total = total + weight * losses.sum()
     return total / (draws * group) / trainer.current_gradient_accumulation_steps

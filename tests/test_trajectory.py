@@ -43,6 +43,7 @@ from trl_diffusion.trajectory import (
 
 from helpers import (
     assert_same_update,
+    direct_logps,
     distinct_chars,
     eos_leaning_checkpoint,
     gradients,
@@ -292,18 +293,6 @@ def test_a_transition_of_zero_entropy_can_still_be_drawn():
 # ---------------------------------------------------------------------------------------------- independent formulas
 
 
-def _independent_logps(model, adapter, prompt_ids, prompt_mask, canvas, masked, temperature):
-    """log softmax(logits / T) of the canvas tokens, the mask token excluded, from a direct model call."""
-    noisy = canvas.masked_fill(masked, adapter.mask_token_id)
-    input_ids = torch.cat([prompt_ids, noisy])[None]
-    attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy)])[None]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[0]
-    logits = logits[-canvas.shape[0] :].float() / temperature
-    logits[:, adapter.mask_token_id] = -math.inf
-    return logits.log_softmax(-1).gather(-1, canvas[:, None]).squeeze(-1)
-
-
 def _independent_transitions(commit_step, scored, grouping, blocks=None):
     """Per transition: (first step, target positions), grouping consecutive distinct steps (within each block of a
     block-causal model)."""
@@ -351,7 +340,7 @@ def independent_loss(trainer, inputs, *, old, ref):
         advantage = inputs["advantages"][row]
         terms = []
         for index, (step, targets) in enumerate(transitions):
-            logp = _independent_logps(
+            logp = direct_logps(
                 model,
                 adapter,
                 inputs["prompt_ids"][row],

@@ -112,6 +112,7 @@ def view_logprobs(
     plan: MaskPlan,
     mc_indices: Sequence[int] | None = None,
     complement: bool = False,
+    prompt_masks: torch.BoolTensor | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs of Monte Carlo views `mc_indices`: `log p(y_i | x, y with M_j and its context masked)` at
     the positions `M_j` view j scores, 0 elsewhere, from one forward pass over the k views stacked along the batch
@@ -126,6 +127,9 @@ def view_logprobs(
             Which views, k of them (default: all, in order).
         complement (`bool`, *optional*, defaults to `False`):
             The `coupled` plan's complement passes instead (`complement_masks`, no context).
+        prompt_masks (`torch.BoolTensor` of shape `(batch, num_mc_samples, prompt_length)`, *optional*):
+            The prompt positions each view masks too (SPG's code's prompt perturbation,
+            [`~masking.spg_code_views`]); default none.
 
     Returns:
         `torch.FloatTensor` of shape `(batch, k, completion_length)`, view i at index i.
@@ -140,10 +144,13 @@ def view_logprobs(
         return views[:, indices].to(completion_ids.device).transpose(0, 1).reshape(num_views * batch, -1)
 
     # The k views are stacked view-major, as `repeat` stacks the canvases: row v * batch + b is view v of row b.
+    stacked_prompts = prompt_ids.repeat(num_views, 1)
+    if prompt_masks is not None:
+        stacked_prompts = stacked_prompts.masked_fill(stack(prompt_masks), adapter.mask_token_id)
     logprobs = masked_token_logprobs(
         model,
         adapter,
-        prompt_ids.repeat(num_views, 1),
+        stacked_prompts,
         prompt_mask.repeat(num_views, 1),
         completion_ids.repeat(num_views, 1),
         stack(masks),
@@ -623,46 +630,3 @@ def coupled_token_scores(
         return scores
     entropies = entropy.chunk(repeat)
     return scores, entropies[0] + entropies[1]
-
-
-def prompt_masked_view_logprobs(
-    model: torch.nn.Module,
-    adapter: DiffusionAdapter,
-    prompt_ids: torch.LongTensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.LongTensor,
-    plan: MaskPlan,
-    prompt_masks: torch.BoolTensor,
-) -> torch.Tensor:
-    """[`view_logprobs`] of every view with view j's prompt positions `prompt_masks[:, j]` masked too (SPG's code's
-    prompt perturbation, [`~masking.spg_code_views`]): one forward pass over the views stacked; differentiable.
-
-    Args:
-        model, adapter, prompt_ids, prompt_mask, completion_ids:
-            As in [`masked_token_logprobs`].
-        plan ([`MaskPlan`]):
-            The views: `masks` scored, `context_masks` masked and not scored.
-        prompt_masks (`torch.BoolTensor` of shape `(batch, num_mc_samples, prompt_length)`):
-            The prompt positions each view masks.
-
-    Returns:
-        `torch.FloatTensor` of shape `(batch, num_mc_samples, completion_length)`.
-    """
-    num_views, batch = plan.num_mc_samples, completion_ids.shape[0]
-
-    def stack(views: torch.Tensor | None) -> torch.Tensor | None:  # (batch, n_t, ·) -> (n_t * batch, ·), view-major
-        if views is None:
-            return None
-        return views.to(completion_ids.device).transpose(0, 1).reshape(num_views * batch, -1)
-
-    noisy_prompt = prompt_ids.repeat(num_views, 1).masked_fill(stack(prompt_masks), adapter.mask_token_id)
-    logprobs = masked_token_logprobs(
-        model,
-        adapter,
-        noisy_prompt,
-        prompt_mask.repeat(num_views, 1),
-        completion_ids.repeat(num_views, 1),
-        stack(plan.masks),
-        stack(plan.context_masks),
-    )
-    return logprobs.view(num_views, batch, -1).transpose(0, 1)

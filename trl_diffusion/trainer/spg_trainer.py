@@ -2,7 +2,7 @@ import textwrap
 
 import torch
 
-from ..likelihood import eubo_token_mean, prompt_masked_view_logprobs, view_logprobs
+from ..likelihood import eubo_token_mean, view_logprobs
 from ..masking import MaskPlan, completion_region, length_normaliser, spg_code_views
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .spg_config import SPG_CODE_P_MASK_PROMPT, SPGConfig
@@ -34,7 +34,7 @@ class SPGTrainer(SequenceELBOTrainer):
     `num_iterations > 1` the rollouts are reused without an importance ratio (SPG's recipe: 4).
 
     With `estimator="public"` the bounds are those of SPG's public code on the same views
-    ([`~masking.spg_code_views`], [`~likelihood.prompt_masked_view_logprobs`]): view j masks the scored block's
+    ([`~masking.spg_code_views`], [`~likelihood.view_logprobs`] with `prompt_masks`): view j masks the scored block's
     subset, the later blocks, the positions after the answer and, at SPG's recipe rate 0.15, prompt tokens and
     tokens of the clean earlier blocks; every masked answer position is scored (the set `M_j`, `t_j = |M_j| / |C|`),
     `E = mean_j sum_{M_j} log p / |M_j|` and `U = (1 / beta) mean_n log mean_j [1[n in M_j] p_j(y_n)^beta / t_j]`.
@@ -130,8 +130,8 @@ class SPGTrainer(SequenceELBOTrainer):
         plan, prompt_masks = self.public_views(inputs, iteration)
         prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
         with self.accelerator.autocast():
-            logprobs = prompt_masked_view_logprobs(
-                model, self.adapter, prompt_ids, prompt_mask, canvas, plan, prompt_masks
+            logprobs = view_logprobs(
+                model, self.adapter, prompt_ids, prompt_mask, canvas, plan, prompt_masks=prompt_masks
             ).float()
         lower = plan.weighted_sums(logprobs).mean(dim=1) / self.elbo_normaliser(inputs)
         return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
