@@ -19,12 +19,12 @@ or the reference values by the old ones, changes it).
 - wd1 stores no old or reference term, only the model-free weights `w+ - w-`.
 """
 
-import copy
 import math
 from contextlib import contextmanager
 
 import pytest
 import torch
+from transformers import AutoModel
 
 import trl_diffusion.trainer.base_trainer as trainer_base
 from trl_diffusion.likelihood import autoregressive_logprobs, coupled_token_scores, elbo_terms, mean_field_logprobs
@@ -379,7 +379,8 @@ def test_lfpo_rollouts_and_old_logits_come_from_the_ema_old_policy(tiny_llada, t
     inputs = rollout_batch(trainer, num_prompts=1)
     assert set(inputs) >= {"lfpo_state_masks", "lfpo_scored_masks"}
     assert not any(key.startswith(("old_", "ref_")) for key in inputs)
-    old, current = copy.deepcopy(tiny_llada), copy.deepcopy(tiny_llada)
+    # Fresh copies from the checkpoint, in eval mode: the session's `tiny_llada` may carry another test's settings.
+    old, current = (AutoModel.from_pretrained(tiny_llada_dir).eval() for _ in range(2))
     old.load_state_dict(weights(trainer.old_model))
     current.load_state_dict(weights(trainer.model))
 
