@@ -386,7 +386,7 @@ def test_public_estimator_equals_the_public_code_objective_and_measures_the_pack
     # On-policy the value is -sum(A) / (N_valid + 1e-5), 0 up to rounding: the gradient is what this checks.
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
     public_grads = gradients(model, clear=True)
-    assert_same_gradients(grads, public_grads, rtol=1e-5, atol=1e-6, label="public estimator")
+    assert_same_gradients(grads, public_grads, rtol=1e-5, atol=2e-5, label="public estimator")
     with torch.no_grad():  # evaluation's path: the value alone, one sweep
         torch.testing.assert_close(trainer._compute_loss(model, batch), expected.detach(), rtol=1e-6, atol=1e-7)
 
@@ -454,7 +454,7 @@ def test_public_estimator_scale_over_processes_and_accumulation_steps(sharp_eos_
     factor = (num_valid + 1e-5) / (num_valid / 2 + 1e-5)
     summed = {name: steps[0][1][name] + steps[1][1][name] for name in grads}
     expected = {name: factor * grad for name, grad in grads.items()}
-    assert_same_gradients(summed, expected, rtol=1e-5, atol=1e-6, label="two accumulation steps vs one")
+    assert_same_gradients(summed, expected, rtol=1e-5, atol=2e-5, label="two accumulation steps vs one")
 
     monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda accelerator: 2))
     processes = [piecewise_step(trainer, half) for half in halves]

@@ -544,9 +544,9 @@ def test_public_loss_and_gradient_against_the_code_formulas(mask_sampler, public
         )
         expected_loss.backward()
         expected = gradients(model, clear=True)
-        torch.testing.assert_close(lower.detach(), expected_lower.detach(), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(upper.detach(), expected_upper.detach(), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(lower.detach(), expected_lower.detach(), rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(upper.detach(), expected_upper.detach(), rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=2e-5, atol=1e-6)
         assert_same_gradients(actual, expected, rtol=1e-5, atol=1e-6, label=f"{mask_sampler} {negative_bound}")
 
 
