@@ -27,7 +27,8 @@ and the return is (R + 0.5 (R - r_k)) / 1.5 (`lookahead_return_weight=0.5`). Set
 
 Launch (8 GPUs, ZeRO-2):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml --num_processes 8 \
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml --num_processes 8 \
         examples/agrpo_sudoku.py
     accelerate launch ... examples/agrpo_sudoku.py --egspo
     accelerate launch ... examples/agrpo_sudoku.py --egspo_sa

@@ -9,8 +9,9 @@ steps as tokens: `eval_every_steps=20` logs `eval/countdown/accuracy` that way.
 
 Launch (8 GPUs; the paper's VeRL runs shard with FSDP, ZeRO-3 also works):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/fsdp2.yaml examples/bgpo_countdown.py
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/bgpo_countdown.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/fsdp2.yaml examples/bgpo_countdown.py
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/bgpo_countdown.py
 
 Every field of `trl-diffusion bgpo --help` is a flag here too. One GPU with LoRA on a 4-bit base (no longer the
 paper's full fine-tuning; 2 x 64 = 128 completions per optimiser step, as on 8 GPUs):

@@ -11,7 +11,8 @@ BGPO Countdown recipe (`examples/bgpo_countdown.py`), our choice, not DARE's.
 
 Launch (8 GPUs, FSDP2 as DARE's VeRL runs, or ZeRO-3):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/fsdp2.yaml examples/bgpo_sdar_countdown.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/fsdp2.yaml examples/bgpo_sdar_countdown.py
 
 Every field of `trl-diffusion bgpo --help` is a flag here too (`--model_name_or_path Gen-Verse/TraDo-8B-Instruct`
 for TraDo, which uses the same architecture). A tiny CPU run: `--model_name_or_path TINY_SDAR_DIR --use_cpu --bf16

@@ -18,7 +18,8 @@ the answer: `--elbo_region canvas`; it scores the untempered softmax). CJ-GRPO g
 
 Launch (8 GPUs, ZeRO-2):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml --num_processes 8 \
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml --num_processes 8 \
         examples/cj_grpo_sudoku.py
 
 Every field of `trl-diffusion cj_grpo --help` is a flag here too: `--dataset_name countdown` is CJ-GRPO's other

@@ -19,7 +19,8 @@ MBPP's 374 training problems is far shorter than the paper's run, so `max_steps`
 
 Launch (8 GPUs; the reference model is a second full copy, ZeRO-3 shards it like the policy):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/coupled_grpo_code.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/coupled_grpo_code.py
 
 Every field of `trl-diffusion coupled_grpo --help` is a flag here too: `--coupled_full_view false` scores the pair
 alone (two views), `--use_peft --lora_r 128 --lora_alpha 64` trains LoRA (then `--sync_ref_model false`: TRL cannot

@@ -10,7 +10,8 @@ hence `max_steps`. See docs/trainers/diffu_grpo.md. The 4-bit base needs bitsand
 
 Launch (8 GPUs, ZeRO-2 as d1):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml examples/diffu_grpo_gsm8k.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml examples/diffu_grpo_gsm8k.py
 
 Every field of `trl-diffusion diffu_grpo --help` is a flag here too: `--load_in_4bit false` trains LoRA on a bf16
 base, `--use_peft false --load_in_4bit false` is full fine-tuning (d1's maintainers advise mu = 2-4 then:

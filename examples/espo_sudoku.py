@@ -13,7 +13,8 @@ The training length is not in our notes of the paper; its Sudoku reward curve ju
 
 Launch (8 GPUs, ZeRO-2 as ESPO):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml examples/espo_sudoku.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml examples/espo_sudoku.py
 
 Every field of `trl-diffusion espo --help` is a flag here too (`--load_in_4bit` for a 4-bit base; `--eval_every_steps
 100` to log `eval/sudoku/accuracy`). A tiny CPU run: `--model_name_or_path TINY_DIR --use_cpu --bf16 false --dtype

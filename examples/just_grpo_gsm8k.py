@@ -12,7 +12,8 @@ block 32, as many diffusion steps as tokens.
 
 Launch (8 GPUs, ZeRO-3 shards the full-parameter optimiser state):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/just_grpo_gsm8k.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/just_grpo_gsm8k.py
 
 Every field of `trl-diffusion just_grpo --help` is a flag here too: `--max_completion_length 512` is the paper's
 longer setting, `--use_peft --lora_r 128 --lora_alpha 64` trains LoRA instead (no longer the paper's recipe). A tiny

@@ -16,8 +16,9 @@ the base checkpoint); this recipe uses LLaDA-8B-Instruct, as the built-in tasks'
 Launch (8 GPUs). Full fine-tuning keeps a full copy of the weights as the EMA policy, which ZeRO-3 cannot shard (the
 trainer refuses it): use ZeRO-2, or LoRA (`--use_peft`, the EMA policy is then a second adapter) with any preset:
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml examples/lfpo_gsm8k.py
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/lfpo_gsm8k.py \
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml examples/lfpo_gsm8k.py
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/lfpo_gsm8k.py \
         --use_peft --lora_r 128 --lora_alpha 64
 
 Every field of `trl-diffusion lfpo --help` is a flag here too (`--load_in_4bit` with `--use_peft`). A tiny CPU run:

@@ -12,7 +12,8 @@ base needs bitsandbytes (`pip install "trl_diffusion[quantization]"`).
 
 Launch (8 GPUs, ZeRO-2):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml --num_processes 8 \
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml --num_processes 8 \
         examples/spg_countdown.py
 
 Every field of `trl-diffusion spg --help` is a flag here too: `--negative_bound eubo --eubo_beta 2.0` is SPG's

@@ -21,8 +21,9 @@ transition's token sum divided by the response length (`transition_reduction="re
 
 Launch (8 GPUs, ZeRO-3 shards the full-parameter optimiser state):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/trace_rl_gsm8k.py
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/trace_rl_gsm8k.py \
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/trace_rl_gsm8k.py
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/trace_rl_gsm8k.py \
         --block_model
 
 Every field of `trl-diffusion trace_rl --help` is a flag here too: `--transition_grouping 1` scores every step,

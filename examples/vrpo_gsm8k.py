@@ -9,8 +9,9 @@ Table 4, DARE's BGPO script (temperature 0.6, weight decay 0.01, no KL); see doc
 
 Launch (8 GPUs, full fine-tuning sharded with FSDP2 as the paper's VeRL runs, or ZeRO-3):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/fsdp2.yaml examples/vrpo_gsm8k.py
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml examples/vrpo_gsm8k.py
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/fsdp2.yaml examples/vrpo_gsm8k.py
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/vrpo_gsm8k.py
 
 Every field of `trl-diffusion vrpo --help` is a flag here too (`--use_peft --load_in_4bit` for QLoRA, no longer the
 paper's recipe; `--eval_every_steps 20` to select checkpoints by `eval/gsm8k/accuracy`). A tiny CPU run:

@@ -12,7 +12,8 @@ paper's. The task is 4x4 Sudoku (d1's setting); the 4-bit base needs bitsandbyte
 
 Launch (4 GPUs, ZeRO-2 as wd1):
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero2.yaml --num_processes 4 \
+    TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
+    accelerate launch --config_file $TRL_CONFIGS/zero2.yaml --num_processes 4 \
         examples/wd1_sudoku.py
 
 Every field of `trl-diffusion wd1 --help` is a flag here too: `--psi 2.0` sharpens the weights, `--load_in_4bit

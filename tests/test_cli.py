@@ -383,9 +383,17 @@ def test_just_grpo_refuses_a_block_causal_model_naming_the_trainers_that_train_i
     assert all(f"trl-diffusion {name}" in message for name in ("bgpo", "vrpo", "trace_rl"))
 
 
-def test_presets_ship_in_the_package():
-    assert cli_module.accelerate_presets() == ["fsdp2", "multi_gpu", "zero2", "zero3"]
-    assert Path(cli_module.resolve_accelerate_config("zero3")).is_file()
+def test_presets_are_trls():
+    """`--accelerate_config NAME` resolves TRL's presets, the files `trl grpo --accelerate_config NAME` launches."""
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    presets = ["fsdp1", "fsdp2", "multi_gpu", "single_gpu", "zero1", "zero2", "zero3"]
+    assert cli_module.accelerate_presets() == presets
+    for name in presets:
+        assert (
+            cli_module.resolve_accelerate_config(name)
+            == resolve_accelerate_config_argument(["--accelerate_config", name])[1]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- training

@@ -17,7 +17,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from trl_diffusion import DiffusionGenerationConfig, generate
-from trl_diffusion.cli import main
+from trl_diffusion.cli import main, resolve_accelerate_config
 from trl_diffusion.evaluation import evaluate_task
 from trl_diffusion.harness import DiffusionLM
 from trl_diffusion.likelihood import elbo_terms
@@ -192,7 +192,7 @@ def test_two_processes_under_accelerate_launch_equal_one(tiny_llada_dir, tmp_pat
     harness = ["lm-eval", "--model_args", model_args, "--tasks", GENERATE_TASK, CHOICE_TASK, "--include_path", "."]
     harness += ["--device", "cpu", "--batch_size", "2", "--log_samples"]
     accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file"]
-    accelerate += [str(Path(__file__).parents[1] / "trl_diffusion" / "accelerate_configs" / "multi_gpu.yaml")]
+    accelerate += [resolve_accelerate_config("multi_gpu")]
     accelerate += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port)]
     commands = {
         "one": [sys.executable, "-m", "trl_diffusion", *harness],

@@ -9,8 +9,8 @@ to one script per job and relaunches training under `accelerate launch`.
 
 The training subcommands (`trl_diffusion.scripts.registry.TRAINING_COMMANDS`) run `trl_diffusion.scripts.train`,
 `eval` runs `trl_diffusion.scripts.eval`, `lm-eval` runs `trl_diffusion.scripts.harness` (EleutherAI's harness) and
-`demo` runs `trl_diffusion.demo`. `--accelerate_config` (a preset shipped in `trl_diffusion/accelerate_configs`, or a
-path) relaunches a training command with `accelerate launch`; arguments the parser does not know (`--num_processes
+`demo` runs `trl_diffusion.demo`. `--accelerate_config` (one of TRL's presets, `trl/accelerate_configs`, or a path)
+relaunches a training command with `accelerate launch`; arguments the parser does not know (`--num_processes
 8`, `--mixed_precision no`, ...) go to `accelerate launch`. See docs/cli.md.
 """
 
@@ -26,14 +26,15 @@ from pathlib import Path
 
 from .scripts.registry import TRAINING_COMMANDS
 
-ACCELERATE_CONFIGS = "accelerate_configs"
+# TRL's presets (`trl <command> --accelerate_config zero3` resolves the same files): one set for both commands.
+ACCELERATE_CONFIGS = "trl.accelerate_configs"
 
 # ---------------------------------------------------------------------------------------------------- accelerate
 
 
 def accelerate_presets() -> list[str]:
-    """Names of the accelerate config presets shipped in the package."""
-    folder = resources.files("trl_diffusion").joinpath(ACCELERATE_CONFIGS)
+    """Names of the accelerate config presets (TRL's: `single_gpu`, `multi_gpu`, `zero1`-`zero3`, `fsdp1`, `fsdp2`)."""
+    folder = resources.files(ACCELERATE_CONFIGS)
     return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
@@ -41,7 +42,7 @@ def resolve_accelerate_config(name_or_path: str) -> str:
     """The file of an accelerate config: an existing path, or a preset name (`multi_gpu`, `zero2`, ...)."""
     if Path(name_or_path).is_file():
         return name_or_path
-    preset = resources.files("trl_diffusion").joinpath(ACCELERATE_CONFIGS, f"{name_or_path}.yaml")
+    preset = resources.files(ACCELERATE_CONFIGS).joinpath(f"{name_or_path}.yaml")
     if not preset.is_file():
         raise ValueError(
             f"--accelerate_config {name_or_path!r} is neither a file nor a preset; presets: {accelerate_presets()}."
