@@ -200,8 +200,8 @@ def test_batch_without_masked_tokens_backpropagates(tiny_llada, tiny_tokenizer, 
 
 
 def test_masking_ratios_and_masks():
-    generator = torch.Generator().manual_seed(0)
-    timesteps, masked = sample_completion_masks(20000, 16, 1e-3, generator)
+    generators = [torch.Generator().manual_seed(row) for row in range(20000)]
+    timesteps, masked = sample_completion_masks(16, 1e-3, generators)
     assert timesteps.min() >= 1e-3 and timesteps.max() <= 1
     assert abs(timesteps.mean().item() - (1 + 1e-3) / 2) < 0.01
     rates = masked.float().mean(-1)
@@ -210,21 +210,33 @@ def test_masking_ratios_and_masks():
 
 
 def test_noise_is_private_reproducible_and_keyed(tiny_llada, tiny_tokenizer, tmp_path, monkeypatch):
-    def draw(trainer):
-        return torch.rand(8, generator=trainer._noise_generator("train"))
+    def draw(trainer, rows=2):
+        return torch.stack([torch.rand(8, generator=row) for row in trainer._noise_generators("train", rows)])
 
     first, again = (make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path / name) for name in "ab")
     draws = [draw(first), draw(first)]
     assert torch.equal(draws[0], draw(again))  # same seed, same step, same micro-batch: same noise
+    assert not torch.equal(draws[0][0], draws[0][1])  # rows draw apart
     assert not torch.equal(draws[0], draws[1])  # the next micro-batch of the step draws afresh
     first.state.global_step += 1
     draws.append(draw(first))
     assert all(not torch.equal(draws[-1], previous) for previous in draws[:-1])
     other_seed = make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path / "c", seed=1)
     assert not torch.equal(draws[0], draw(other_seed))
+
+    # Keyed by the row's place in the step's global batch: rank 1 of 2 with 2 rows a micro-batch draws rows 2-3 of
+    # one process's batch of 4, and the second micro-batch of 2 with accumulation draws them too.
+    one_process = draw(make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path / "d"), rows=4)
     monkeypatch.setattr(Accelerator, "process_index", property(lambda self: 1))
-    assert not torch.equal(draws[0], draw(make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path / "d")))
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    rank_one = make_trainer(copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path / "e", per_device_train_batch_size=2)
+    assert torch.equal(draw(rank_one), one_process[2:])
     monkeypatch.undo()
+    accumulating = make_trainer(
+        copy.deepcopy(tiny_llada), tiny_tokenizer, tmp_path / "f", per_device_train_batch_size=2
+    )
+    draw(accumulating)
+    assert torch.equal(draw(accumulating), one_process[2:])
 
     # The global RNG is left alone.
     state = torch.get_rng_state()
@@ -235,7 +247,7 @@ def test_noise_is_private_reproducible_and_keyed(tiny_llada, tiny_tokenizer, tmp
     # Every evaluation sees the same noise: at fixed weights the eval loss repeats exactly.
     trainer = DiffusionSFTTrainer(
         model=copy.deepcopy(tiny_llada),
-        args=make_args(tmp_path / "e", per_device_eval_batch_size=2),
+        args=make_args(tmp_path / "g", per_device_eval_batch_size=2),
         train_dataset=standard_dataset(),
         eval_dataset=standard_dataset(),
         processing_class=tiny_tokenizer,
@@ -307,15 +319,10 @@ def test_resuming_a_finished_run_trains_nothing(tiny_llada_dir, tmp_path):
     assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
 
 
-def test_gradient_accumulation_matches_one_large_batch(tiny_llada, tiny_tokenizer, tmp_path, monkeypatch):
-    """The loss is the mean over completions: with the same noise for every row, two micro-batches of 2 accumulated
-    take the same SGD step as one batch of 4."""
-
-    def same_noise_for_every_row(batch_size, max_completion_length, timestep_eps, generator):
-        masked = (torch.arange(max_completion_length) % 2 == 0).expand(batch_size, -1)
-        return torch.full((batch_size,), 0.5), masked
-
-    monkeypatch.setattr(sft_trainer, "sample_completion_masks", same_noise_for_every_row)
+def test_gradient_accumulation_matches_one_large_batch(tiny_llada, tiny_tokenizer, tmp_path):
+    """The loss is the mean over completions and a row's noise is keyed by its place in the step's batch: two
+    micro-batches of 2 accumulated take the same SGD step as one batch of 4 (tests/test_distributed.py checks two
+    processes against one)."""
     prompts, completions = ["ab=", "hello=", "x=", "pq="], ["ba", "o", "xyz", "qp"]
     steps = {}
     for batch_size, accumulation in ((4, 1), (2, 2)):

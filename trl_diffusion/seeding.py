@@ -23,8 +23,8 @@ LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
     TRAJECTORY_TRANSITIONS  the trajectory trainers' Monte Carlo draws of transitions, keyed
                      derive_seed(mask seed, inner iteration, TRAJECTORY_TRANSITIONS)
 
-Diffusion SFT noise: derive_seed(seed, SFT_TRAIN_NOISE, step, micro-batch, process) or (SFT_EVAL_NOISE, batch,
-process). Evaluation sampling: derive_seed(seed, example index). The harness model (`trl_diffusion.harness`), keyed by
+Diffusion SFT noise, per row: derive_seed(seed, SFT_TRAIN_NOISE, step, global row of the step's batch) or (seed,
+SFT_EVAL_NOISE, global row of the evaluation). Evaluation sampling: derive_seed(seed, example index). The harness model (`trl_diffusion.harness`), keyed by
 content so that neither the batch nor the process matters: mask seed = derive_seed(seed, digest of the context and
 continuation ids) >> 2; sampling = derive_seed(seed, digest of the context ids, occurrence of that context).
 """

@@ -36,27 +36,27 @@ _LENGTH_CHECK_BATCH_SIZE = 10_000
 
 
 def sample_completion_masks(
-    batch_size: int, max_completion_length: int, timestep_eps: float, generator: torch.Generator
+    max_completion_length: int, timestep_eps: float, generators: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.BoolTensor]:
     """Draws the forward process of the SFT loss: one masking ratio `t ~ U(timestep_eps, 1)` per completion and a
     Bernoulli(t) mask over its canvas.
 
     Args:
-        batch_size (`int`):
-            Number of completions.
         max_completion_length (`int`):
             Length L of the completion canvas.
         timestep_eps (`float`):
             Smallest masking ratio.
-        generator (`torch.Generator`):
-            Private CPU generator (the same draws on every device).
+        generators (`list[torch.Generator]`):
+            One private CPU generator per completion: a completion's noise does not depend on the batch it is in
+            (nor on the device).
 
     Returns:
-        `tuple[torch.FloatTensor, torch.BoolTensor]`: the ratios, shape `(batch_size,)`, and the masks, shape
-        `(batch_size, max_completion_length)`, both on the CPU.
+        `tuple[torch.FloatTensor, torch.BoolTensor]`: the ratios, shape `(len(generators),)`, and the masks, shape
+        `(len(generators), max_completion_length)`, both on the CPU.
     """
-    timesteps = timestep_eps + (1.0 - timestep_eps) * torch.rand(batch_size, generator=generator)
-    masked = torch.rand(batch_size, max_completion_length, generator=generator) < timesteps[:, None]
+    uniforms = torch.stack([torch.rand(1 + max_completion_length, generator=generator) for generator in generators])
+    timesteps = timestep_eps + (1.0 - timestep_eps) * uniforms[:, 0]
+    masked = uniforms[:, 1:] < timesteps[:, None]
     return timesteps, masked
 
 
@@ -338,25 +338,28 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
 
     # ------------------------------------------------------------------ loss
 
-    def _noise_generator(self, mode: str) -> torch.Generator:
-        """A private CPU generator for one batch's timesteps and masks.
+    def _noise_generators(self, mode: str, batch_size: int) -> list[torch.Generator]:
+        """Private CPU generators for one batch's timesteps and masks, one per row.
 
-        Training batches are keyed by (seed, optimiser step, micro-batch index within the step, process): a run is
-        reproducible, a run resumed from a checkpoint draws what the uninterrupted run would have, and data-parallel
-        ranks draw differently. Evaluation batches are keyed by their index within the evaluation, so every
-        evaluation sees the same noise."""
-        process_index = self.accelerator.process_index
+        A training row is keyed by (seed, optimiser step, its index in the step's global batch): a run is
+        reproducible, a run resumed from a checkpoint draws what the uninterrupted run would have, and a row draws
+        the same noise whether its step's batch is split into processes or micro-batches or not (N processes with B
+        rows each train like one with N * B). The global index of row r of micro-batch m on process p is
+        `(m * N + p) * B + r`, the order in which accelerate deals a step's batches to the processes. Evaluation
+        rows are keyed by their global index within the evaluation, so every evaluation sees the same noise."""
+        processes, process_index = self.accelerator.num_processes, self.accelerator.process_index
         if mode == "eval":
-            key = derive_seed(self.args.seed, SFT_EVAL_NOISE, self._eval_noise_batch, process_index)
+            keys = (self.args.seed, SFT_EVAL_NOISE)
+            batch_index, rows_per_batch = self._eval_noise_batch, self.args.per_device_eval_batch_size
             self._eval_noise_batch += 1
         else:
             if self._noise_step != self.state.global_step:
                 self._noise_step, self._noise_micro_batch = self.state.global_step, 0
-            key = derive_seed(
-                self.args.seed, SFT_TRAIN_NOISE, self.state.global_step, self._noise_micro_batch, process_index
-            )
+            keys = (self.args.seed, SFT_TRAIN_NOISE, self.state.global_step)
+            batch_index, rows_per_batch = self._noise_micro_batch, self.args.per_device_train_batch_size
             self._noise_micro_batch += 1
-        return torch.Generator().manual_seed(key)
+        first_row = (batch_index * processes + process_index) * rows_per_batch
+        return [torch.Generator().manual_seed(derive_seed(*keys, first_row + row)) for row in range(batch_size)]
 
     def evaluation_loop(self, *args, **kwargs):
         self._eval_noise_batch = 0
@@ -416,8 +419,9 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         completion_ids = inputs["completion_ids"]
+        batch_size, max_completion_length = completion_ids.shape
         timesteps, masked = sample_completion_masks(
-            *completion_ids.shape, self.args.timestep_eps, self._noise_generator(mode)
+            max_completion_length, self.args.timestep_eps, self._noise_generators(mode, batch_size)
         )
         per_completion, stats = self.masked_diffusion_loss(
             model, inputs, timesteps.to(completion_ids.device), masked.to(completion_ids.device)
