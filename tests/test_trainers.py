@@ -318,6 +318,29 @@ def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     assert not (tmp_path / "resumed" / "checkpoint-1").exists()
 
 
+def test_resume_in_a_later_epoch_trains_on_the_uninterrupted_runs_prompts(tiny_llada_dir, tmp_path):
+    """Three prompts, one a step: an epoch is 3 steps. Resumed from step 4 (inside epoch 1), the run draws epoch 1's
+    prompt order as the uninterrupted run did (TRL's sampler, seeded once, would draw epoch 0's order again) and
+    ends with the uninterrupted run's weights."""
+
+    def run(output_dir, checkpoint=None):
+        args = make_args("bgpo", output_dir, save_strategy="steps", save_steps=4, max_steps=6)
+        trainer = make_trainer("bgpo", tiny_llada_dir, args, train_dataset=say_dataset(3, conversational=False))
+        rollouts = capture_rollouts(trainer)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return trainer, [rollout["prompt_ids"][0] for rollout in rollouts]
+
+    uninterrupted, prompts = run(tmp_path / "run")
+    epochs = [sorted(tuple(ids.tolist()) for ids in prompts[start : start + 3]) for start in (0, 3)]
+    assert epochs[0] == epochs[1]  # each epoch sees the three prompts once
+    assert [ids.tolist() for ids in prompts[:3]] != [ids.tolist() for ids in prompts[3:]]  # in another order
+    resumed, resumed_prompts = run(tmp_path / "resumed", str(tmp_path / "run" / "checkpoint-4"))
+    assert [ids.tolist() for ids in resumed_prompts] == [ids.tolist() for ids in prompts[4:]]
+    final = dict(uninterrupted.model.named_parameters())
+    for name, parameter in resumed.model.named_parameters():
+        assert torch.equal(parameter, final[name]), name
+
+
 @pytest.mark.parametrize("name", ["bgpo", "diffu_grpo", "trace_rl"])
 def test_resuming_a_finished_run_trains_nothing(name, tiny_llada_dir, tmp_path, caplog):
     """Resumed from its last checkpoint (`global_step == max_steps`), a finished run rolls out nothing and takes no

@@ -32,7 +32,7 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
-from trl.trainer.utils import get_config_model_id, pad, use_adapter
+from trl.trainer.utils import RepeatSampler, get_config_model_id, pad, use_adapter
 
 from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
 from ..hub import HubErrorsMixin
@@ -42,6 +42,7 @@ from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, deri
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
 from .base_config import DiffusionRLConfig
 from .utils import (
+    EpochSeededRepeatSampler,
     FinishedRunMixin,
     activation_checkpointing_disabled,
     batch_to,
@@ -95,6 +96,7 @@ TRL_CONTRACT = {  # fmt: skip
     "_compute_loss": ("self", "model", "inputs"),
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
     "_save_checkpoint": ("self", "model", "trial"),
+    "_get_train_sampler": ("self", "dataset"),
     "_save_rng_state": ("self", "output_dir"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "_run_epoch": (
@@ -170,6 +172,8 @@ class TRLContractMixin:
       it belongs to is lent for that call through `trl_loss_batch` (`self._trl_loss_batch`), and the trainer's
       `_completion_logps` receives it as an argument. For an objective back-propagated part by part
       (`backward_in_pieces`), `training_step` is replaced: see its docstring.
+    - `_get_train_sampler` returns TRL's sampler seeded per epoch ([`EpochSeededRepeatSampler`]), so that a resumed
+      run trains on the prompts of the uninterrupted run in every epoch.
     - `_save_rng_state` and `_load_optimizer_and_scheduler` add the rollout round in progress and the
       reward-failure counters to checkpoints (the model card comes with `save_model`, which the checkpoint calls:
       `trl_diffusion.model_card.DiffusionModelCardMixin`).
@@ -334,6 +338,19 @@ class TRLContractMixin:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return total_loss
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if type(sampler) is not RepeatSampler:
+            return sampler
+        return EpochSeededRepeatSampler(
+            data_source=sampler.data_source,
+            mini_repeat_count=sampler.mini_repeat_count,
+            batch_size=sampler.batch_size,
+            repeat_count=sampler.repeat_count,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+        )
 
     def _save_rng_state(self, output_dir):
         # With the random states, and for the same reason: a run resumed inside a rollout round (`num_iterations`

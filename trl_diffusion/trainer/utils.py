@@ -11,9 +11,23 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import RepeatSampler, get_config_model_id
 
 logger = logging.getLogger(__name__)
+
+
+class EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose order in epoch `e` is drawn from `seed + e` (as torch's `DistributedSampler`
+    seeds its epochs), set by the Trainer through `set_epoch` at the start of every epoch.
+
+    TRL's sampler seeds one generator once and draws each epoch's order from where the last left it; a run resumed
+    from a checkpoint builds a fresh sampler, so from the epoch it resumes in onwards it trained on other prompts
+    than the uninterrupted run. Epoch 0 is TRL's order.
+    """
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed + epoch)
 
 
 class FinishedRunMixin:
