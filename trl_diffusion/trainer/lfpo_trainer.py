@@ -16,6 +16,7 @@ from ..masking import completion_region
 from ..seeding import LFPO_STATES, keyed_generator
 from .base_trainer import DiffusionRLTrainer
 from .lfpo_config import LFPOConfig
+from .utils import local_or_full, zero3_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -148,14 +149,18 @@ class LFPOTrainer(DiffusionRLTrainer):
     def _copy_into_old_policy(self, alpha: float) -> None:
         """`theta_old <- alpha * theta_old + (1 - alpha) * theta` (alpha 0 copies), as `lerp`: a weight the policy
         has not moved (LoRA's `lora_A` while `lora_B` is still zero) stays bit-identical, where `alpha * x +
-        (1 - alpha) * x` can differ from x in its last bit, by an amount that depends on the CPU's kernels."""
+        (1 - alpha) * x` can differ from x in its last bit, by an amount that depends on the CPU's kernels.
+
+        Under ZeRO-3 (LoRA) both adapters are gathered and the update is partitioned back from rank 0 (every rank
+        computes the same); under FSDP2 the full-weight copy is updated from the gathered shards of the policy."""
         if self.old_model is None:
-            pairs = self._adapter_pairs()
+            pairs = list(self._adapter_pairs())
         else:
-            pairs = zip(self.old_model.parameters(), self.accelerator.unwrap_model(self.model).parameters())
-        for old, current in pairs:
-            old.lerp_(current.detach().to(old.dtype), 1.0 - alpha)
-            old.requires_grad_(False)
+            pairs = list(zip(self.old_model.parameters(), self.accelerator.unwrap_model(self.model).parameters()))
+        with zero3_gathered([parameter for pair in pairs for parameter in pair], modifier_rank=0):
+            for old, current in pairs:
+                old.lerp_(local_or_full(current.detach(), like=old).to(old.dtype), 1.0 - alpha)
+                old.requires_grad_(False)
 
     def ema_alpha(self) -> float:
         """The EMA coefficient of the coming update: fixed, or `min(rate * optimiser steps, max)`."""

@@ -16,6 +16,31 @@ from trl.trainer.utils import RepeatSampler, get_config_model_id
 logger = logging.getLogger(__name__)
 
 
+@contextmanager
+def zero3_gathered(parameters, modifier_rank: int | None = None):
+    """DeepSpeed ZeRO-3's partitioned `parameters` gathered whole for the duration (a collective: every rank enters
+    it); with `modifier_rank`, what that rank writes into them is partitioned back on exit. Parameters that are not
+    partitioned are left as they are."""
+    partitioned = [parameter for parameter in parameters if hasattr(parameter, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+        yield
+
+
+def local_or_full(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` in the layout of `like`: an FSDP2 shard (a DTensor) gathered whole when `like` is a plain tensor (a
+    collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor) and not isinstance(like, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
 class EpochSeededRepeatSampler(RepeatSampler):
     """TRL's `RepeatSampler` whose order in epoch `e` is drawn from `seed + e` (as torch's `DistributedSampler`
     seeds its epochs), set by the Trainer through `set_epoch` at the start of every epoch.
