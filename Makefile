@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install sandbox demo test test-portable test-slow lint clean
+.PHONY: install sandbox demo test test-portable test-slow test-distributed lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ test-portable: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test-slow: no test is marked slow"; exit 0; fi; exit $$status
+
+# The whole engine x trainer-family matrix on two CPU processes (DDP, DeepSpeed ZeRO-1/2/3, FSDP2; with and without
+# LoRA), checkpoint resume under each engine and the two-machine launch: about 40 minutes on 2 cores. The default
+# suite runs its fast core.
+test-distributed: install
+	$(BIN)/python -m pytest -q -m slow tests/test_distributed.py
 
 lint: install
 	$(BIN)/ruff check .

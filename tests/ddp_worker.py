@@ -8,8 +8,7 @@ history) in `--output-dir`:
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py \
         --model-dir MODEL --output-dir OUT --per-device-train-batch-size 4
 
-With `--fsdp2` the model is sharded with FSDP2 (one shard unit per `LLaDALlamaBlock`, parameters resharded after
-each forward) instead of replicated with DDP. The test calls `train_one_step` in its own process for the references
+(`tests/distributed_worker.py` runs the sharded engines.) The test calls `train_one_step` in its own process for the references
 over the same global batch (one process with twice the per-device batch, or gradient accumulation). Plain SGD with a
 constant learning rate and no effective gradient clipping makes the update `-lr * gradient`, so any difference in the
 gradient shows in the parameters (a first Adam step, about `-lr * sign(gradient)`, would hide a wrong scale).
@@ -25,7 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 # Prompts of different lengths, so that a process pads its prompts differently from the one-process batch.
 PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?", "name a colour", "ok", "spell cat", "add 10 and 25 now"]
@@ -47,32 +45,6 @@ def reward(completions, **kwargs):
     return [float(len(set(completion[0]["content"]))) for completion in completions]
 
 
-def shard_with_fsdp2_on_cpu(trainer) -> None:
-    """Makes accelerate shard `trainer`'s model with FSDP2 although it runs on CPU processes.
-
-    torch's FSDP2 (`fully_shard`) runs on the CPU with gloo, but accelerate 1.15 never selects it there:
-    `AcceleratorState` switches to `DistributedType.FSDP` only from the GPU-like distributed types (MULTI_GPU,
-    MULTI_NPU, MULTI_XPU, ...), so CPU processes stay `MULTI_CPU` and the Trainer's FSDP plugin is dropped without a
-    word (they train as DDP). This sets the state as accelerate sets it on GPUs (`PartialState`'s shared state too,
-    which every later `AcceleratorState()` copies), before `train()` prepares the model.
-    """
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    state = trainer.accelerator.state
-    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
-    trainer.is_fsdp_enabled = True
-
-
-def full_parameters(model) -> dict[str, torch.Tensor]:
-    """Every parameter as a whole CPU tensor (an FSDP2 shard gathered from all ranks)."""
-    return {
-        name: (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach().cpu().clone()
-        for name, parameter in model.named_parameters()
-    }
-
-
 def train_one_step(
     model_dir: str,
     output_dir: str,
@@ -83,10 +55,9 @@ def train_one_step(
     temperature: float = 0.7,
     learning_rate: float = 0.1,
     trainer: str = "bgpo",
-    fsdp2: bool = False,
 ) -> dict:
-    """Trains BGPO (or `trainer`) for one optimiser step, with DDP or, with `fsdp2`, FSDP2 across processes; returns
-    this process's parameters (before, after), rollouts and logs, and how many parameters were sharded."""
+    """Trains BGPO (or `trainer`) for one optimiser step, with DDP across processes; returns this process's
+    parameters (before, after), rollouts and logs."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -129,11 +100,6 @@ def train_one_step(
         logging_steps=1,
         gradient_checkpointing=False,
         disable_tqdm=True,
-        **(
-            dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LLaDALlamaBlock"]})
-            if fsdp2
-            else {}
-        ),
     )
     trained = trainer_class(
         model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
@@ -147,8 +113,6 @@ def train_one_step(
         return output
 
     trained._generate_and_score_completions = recording
-    if fsdp2:
-        shard_with_fsdp2_on_cpu(trained)
     before = {name: parameter.detach().cpu().clone() for name, parameter in trained.model.named_parameters()}
     trained.train()
     model = trained.accelerator.unwrap_model(trained.model)
@@ -156,13 +120,8 @@ def train_one_step(
         "rank": trained.accelerator.process_index,
         "world_size": trained.accelerator.num_processes,
         "distributed_type": str(trained.accelerator.distributed_type),
-        "sharded_parameters": sum(isinstance(parameter, DTensor) for parameter in model.parameters()),
-        "local_elements": sum(
-            (parameter.to_local() if isinstance(parameter, DTensor) else parameter).numel()
-            for parameter in model.parameters()
-        ),
         "before": before,
-        "after": full_parameters(model),
+        "after": {name: parameter.detach().cpu().clone() for name, parameter in model.named_parameters()},
         "rollouts": rollouts,
         "log_history": trained.state.log_history,
     }
@@ -176,7 +135,6 @@ def main():
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     parser.add_argument("--num-generations", type=int, default=2)
     parser.add_argument("--trainer", choices=list(TRAINERS), default="bgpo")
-    parser.add_argument("--fsdp2", action="store_true", help="Shard the model with FSDP2 instead of DDP.")
     parsed = parser.parse_args()
     result = train_one_step(
         parsed.model_dir,
@@ -185,7 +143,6 @@ def main():
         parsed.gradient_accumulation_steps,
         num_generations=parsed.num_generations,
         trainer=parsed.trainer,
-        fsdp2=parsed.fsdp2,
     )
     torch.save(result, os.path.join(parsed.output_dir, f"rank{result['rank']}.pt"))
     # As the training script: the process group destroyed and the trainer's reference cycles (its DDP reducer among

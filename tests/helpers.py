@@ -284,6 +284,56 @@ def run_ddp_worker(output_dir, processes: int, *worker_args: str, worker=DDP_WOR
     return [torch.load(Path(output_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
 
 
+DISTRIBUTED_WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no process listens on now (for a launcher's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment of a launched worker: one thread, no Hub, the repository importable, DeepSpeed's CPU
+    accelerator (it falls back to gloo without oneCCL)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+
+
+def launch_worker(
+    preset: str | None, output_dir, *worker_args: str, processes: int = 2, launch_args=(), timeout=600
+) -> list[dict]:
+    """`distributed_worker.py WORKER_ARGS --output-dir OUTPUT_DIR` as a user launches it: `accelerate launch` with
+    TRL's `preset` (`multi_gpu`, `zero1`-`zero3`, `fsdp2`, ...) on `processes` CPU processes, bf16 off; with `preset`
+    None, one plain process. Returns the records the ranks saved, in rank order."""
+    from trl_diffusion.cli import resolve_accelerate_config
+
+    os.makedirs(output_dir, exist_ok=True)
+    if preset is None:
+        command, processes = [sys.executable], 1
+    else:
+        command = [str(Path(sys.executable).with_name("accelerate")), "launch"]
+        command += ["--config_file", resolve_accelerate_config(preset), "--num_processes", str(processes)]
+        command += ["--mixed_precision", "no", "--main_process_port", str(free_port()), *launch_args]
+    command += [str(DISTRIBUTED_WORKER), *worker_args, "--output-dir", str(output_dir)]
+    root = str(Path(__file__).resolve().parents[1])
+    process = subprocess.run(
+        command, env=worker_environment(), cwd=root, capture_output=True, text=True, timeout=timeout
+    )
+    assert process.returncode == 0, f"{preset} launch failed:\n{process.stdout[-3000:]}\n{process.stderr[-6000:]}"
+    return [torch.load(Path(output_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
+
+
 def assert_same_update(runs: list[dict], reference: dict, label: str) -> None:
     """Each run's optimiser step (`after - before` of every parameter, as `ddp_worker.train_one_step` returns them)
     equals the reference run's within 1e-5 of the largest update, and the step did move the parameters."""

@@ -395,27 +395,3 @@ def test_two_processes_train_like_one_process(tiny_llada_dir, tmp_path, one_proc
     grad_norms = [run["log_history"][0]["grad_norm"] for run in [*ranks, one_process_step]]
     print(f"grad norms (rank 0, rank 1, one process): {grad_norms}")
     assert math.isclose(grad_norms[0], grad_norms[2], rel_tol=1e-5)
-
-
-def test_two_processes_under_fsdp2_train_like_one_process(tiny_llada_dir, tmp_path, one_process_step):
-    """FSDP2 with 2 CPU processes (gloo): the model sharded per LLaDA block, every forward all-gathering and every
-    backward reduce-scattering, the Monte Carlo samples back-propagated one by one with gradient sync on the last
-    (`no_sync` is not nested under FSDP2) == 1 process with 8 rows. accelerate does not select FSDP on CPU processes
-    (`ddp_worker.shard_with_fsdp2_on_cpu` says why and sets it as it does on GPUs); torch's FSDP2 runs there."""
-    ranks = run_ddp_worker(
-        tmp_path / "fsdp2", 2, "--model-dir", tiny_llada_dir, "--per-device-train-batch-size", "4", "--fsdp2"
-    )
-    assert [run["distributed_type"] for run in ranks] == ["DistributedType.FSDP"] * 2
-    # Sharded: every parameter is a DTensor, each rank holds about half of the elements.
-    num_elements = sum(parameter.numel() for parameter in one_process_step["after"].values())
-    for run in ranks:
-        assert run["sharded_parameters"] == len(one_process_step["after"])
-        assert run["local_elements"] < 0.6 * num_elements
-    reference = one_process_step["rollouts"][0]
-    for key in ("completion_canvas", "mask_seeds", "advantages"):
-        assert torch.equal(torch.cat([run["rollouts"][0][key] for run in ranks]), reference[key]), key
-    for run in ranks:
-        compare_runs(run, one_process_step, f"FSDP2 rank {run['rank']} vs one process")
-    grad_norms = [run["log_history"][0]["grad_norm"] for run in [*ranks, one_process_step]]
-    print(f"grad norms (rank 0, rank 1, one process): {grad_norms}")
-    assert math.isclose(grad_norms[0], grad_norms[2], rel_tol=1e-5)
