@@ -306,3 +306,218 @@ def test_demo_robustness_smoke(tmp_path):
     assert (run["seed"], run["threads"], run["capability"]) == (0, 1, "default")
     assert run["reward_curve"] and payload["statistics"]["runs"] == 1
     assert payload["statistics"]["median_improvement_points"] == run["improvement_points"]
+
+
+# The multi-GPU check (`benchmarks/gpu/multi_gpu.py`): its flags, its run records and the check's `multi_gpu` stage,
+# without launching a training (a dry run's launches took 25-70 s each here; the slow test runs one).
+import multi_gpu  # noqa: E402
+
+
+def test_multi_gpu_arguments_and_launch_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        multi_gpu.parse_args(["--help"])
+    assert exit_info.value.code == 0 and "--dry-run" in capsys.readouterr().out
+    args = multi_gpu.parse_args([])
+    assert (args.commands, args.presets, args.timeout) == (["bgpo", "vrpo"], ["zero3", "fsdp2"], 600.0)
+    assert multi_gpu.parse_args(["--dry-run"]).presets == ["multi_gpu", "zero3", "fsdp2"]
+
+    def options(flags):  # flags that all take a value
+        return dict(zip(flags[::2], flags[1::2], strict=True))
+
+    # Full fine-tuning: trainer_smoke's flags less the LoRA ones (and their values), the rest kept.
+    common = multi_gpu.without_options(multi_gpu.trainer_smoke.COMMON_FLAGS, multi_gpu.LORA_OPTIONS)
+    assert options(common) == {
+        "--max_steps": "2",
+        "--logging_steps": "1",
+        "--save_strategy": "no",
+        "--report_to": "none",
+        "--disable_tqdm": "true",
+        "--seed": "0",
+    }
+
+    gpu = multi_gpu.launch_flags("fsdp2", 8, dry_run=False)
+    assert gpu[:4] == ["--accelerate_config", "fsdp2", "--num_processes", "8"]
+    assert {"--bf16": "true", "--dtype": "bfloat16", "--ddp_backend": "nccl"}.items() <= options(gpu).items()
+    assert "--mixed_precision" not in gpu  # the preset's bf16
+    # DeepSpeed on CPU processes: gloo and no --use_cpu (with it accelerate would pick DDP), float32.
+    zero3 = multi_gpu.launch_flags("zero3", 2, dry_run=True)
+    assert "--use_cpu" not in zero3
+    expected = {"--mixed_precision": "no", "--bf16": "false", "--dtype": "float32", "--ddp_backend": "gloo"}
+    assert expected.items() <= options(zero3).items()
+    assert "--use_cpu" in multi_gpu.launch_flags("multi_gpu", 2, dry_run=True)
+    assert multi_gpu.run_environment(dry_run=True)["DS_ACCELERATOR"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="several GPUs: the check would run for real")
+def test_multi_gpu_with_fewer_than_two_gpus_says_so_and_exits_cleanly(tmp_path, capsys):
+    assert multi_gpu.main(["--output-dir", str(tmp_path)]) == []
+    assert "Fewer than 2 CUDA GPUs" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())
+
+
+def test_multi_gpu_dry_run_records_fsdp2_as_not_run_on_cpu(tmp_path):
+    assert multi_gpu.main(["--dry-run", "--presets", "fsdp2", "--commands", "bgpo", "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "multi_gpu.json").read_text())
+    assert (payload["dry_run"], payload["num_processes"], payload["model"]["d_model"]) == (True, 2, 32)
+    assert payload["runs"] == [{"command": "bgpo", "preset": "fsdp2", "status": multi_gpu.NOT_ON_CPU["fsdp2"]}]
+
+
+# A stand-in for `trl-diffusion` (`python -c CODE COMMAND ARGS`): writes a trainer_state.json and exits.
+FAKE_TRAINING = (
+    "import pathlib, sys; out = pathlib.Path(sys.argv[sys.argv.index('--output_dir') + 1]); out.mkdir(); "
+    "out.joinpath('trainer_state.json').write_text({state!r}); print('trained'); sys.exit({code})"
+)
+STEP = {"loss": 0.5, "grad_norm": 1.5}
+
+
+@pytest.mark.parametrize(
+    ("log", "code", "status"),
+    [
+        ([STEP, STEP, {"train_loss": 0.5}], 0, "ok"),
+        ([STEP, {"loss": float("nan"), "grad_norm": 1.0}], 0, "failed: losses [0.5, nan]"),
+        ([STEP, {"loss": 0.5, "grad_norm": float("inf")}], 0, "failed: losses"),
+        ([STEP], 0, "failed: losses [0.5]"),
+        ([STEP, STEP], 3, "failed: exit 3"),
+    ],
+    ids=["ok", "nan-loss", "inf-grad-norm", "one-step", "exit-code"],
+)
+def test_multi_gpu_run_record(log, code, status, tmp_path, monkeypatch):
+    code_text = FAKE_TRAINING.format(state=json.dumps({"log_history": log}), code=code)
+    monkeypatch.setattr(multi_gpu, "trl_diffusion_executable", lambda: [sys.executable, "-c", code_text])
+    record = multi_gpu.run_one("bgpo", "zero3", ["--seed", "0"], tmp_path / "run", {}, timeout=60)
+    assert record["status"].startswith(status)
+    assert (record["command"], record["preset"]) == ("bgpo", "zero3")
+    assert record["command_line"].endswith(f"bgpo --seed 0 --output_dir {tmp_path / 'run'}")
+    if status == "ok":
+        assert (record["losses"], record["grad_norms"]) == ([0.5, 0.5], [1.5, 1.5])
+        assert "output_tail" not in record
+    else:
+        assert record["output_tail"][-1] == "trained"
+
+
+def test_multi_gpu_run_past_its_timeout_is_killed_with_its_children(tmp_path, monkeypatch):
+    import time
+
+    # The stand-in starts a child, as `accelerate launch` starts the training processes, then hangs.
+    code_text = (
+        "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(child.pid, flush=True); time.sleep(60)"
+    )
+    monkeypatch.setattr(multi_gpu, "trl_diffusion_executable", lambda: [sys.executable, "-c", code_text])
+    record = multi_gpu.run_one("vrpo", "fsdp2", [], tmp_path / "run", {}, timeout=1.5)
+    assert record["status"] == "failed: timed out after 2 s" and record["seconds"] < 10
+    child = Path(f"/proc/{record['output_tail'][-1]}/stat")
+    for _ in range(50):  # the orphaned child is reaped by init once killed
+        if not child.exists() or child.read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the run's child process outlived the timeout")
+
+
+@pytest.mark.parametrize(("dry_run", "gpus"), [(False, 1), (False, 2), (True, 0)], ids=["1-gpu", "2-gpus", "dry-run"])
+def test_gpu_check_multi_gpu_stage(dry_run, gpus, tmp_path, monkeypatch):
+    """The check's `multi_gpu` stage with stand-in stages (no model is trained): not run and no failure with one
+    GPU, run with the check's model and no --device with two, left out of a dry run."""
+    calls = {}
+
+    def stand_in(name):
+        return lambda argv: calls.setdefault(name, argv)
+
+    monkeypatch.setattr(check, "STAGES", tuple((name, stand_in(name), *rest) for name, _, *rest in check.STAGES))
+    monkeypatch.setattr(check.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(check.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(check, "machine_info", lambda device: {"device": device})
+    monkeypatch.setitem(check.MODEL_SIZES, "gpu", check.MODEL_SIZES["smoke"])
+    assert check.main([*(["--dry-run"] if dry_run else []), "--output-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    statuses = {stage["stage"]: stage["status"] for stage in summary["stages"]}
+    if dry_run:
+        assert "multi_gpu" not in statuses and "multi_gpu.py --dry-run" in summary["left_out"]["multi_gpu"]
+    elif gpus == 1:
+        assert statuses["multi_gpu"] == "not run: 1 GPU" and "multi_gpu" not in calls
+    else:
+        assert statuses["multi_gpu"] == "ok"
+        argv = calls["multi_gpu"]
+        assert "--device" not in argv and argv[argv.index("--name") + 1] == "gpu_multi_gpu"
+        assert argv[-2:] == ["--timeout", "300"]
+    assert list(statuses)[0] == "trainers" and set(calls) == {name for name, s in statuses.items() if s == "ok"}
+
+
+# Slow (69 s measured here, other jobs running): the suite's 10-minute budget; `make test-slow` runs it.
+@pytest.mark.slow
+def test_multi_gpu_dry_run_trains_bgpo_under_zero3(tmp_path):
+    (run,) = multi_gpu.main(
+        ["--dry-run", "--commands", "bgpo", "--presets", "zero3", "--output-dir", str(tmp_path), "--timeout", "300"]
+    )
+    assert run["status"] == "ok", run
+    assert len(run["losses"]) == 2 and len(run["grad_norms"]) == 2 and all(norm > 0 for norm in run["grad_norms"])
+    assert "--accelerate_config zero3" in run["command_line"] and "--ddp_backend gloo" in run["command_line"]
+    assert json.loads((tmp_path / "multi_gpu.json").read_text())["runs"] == [run]
+
+
+# ------------------------------------------------------------------ benchmarks/memory_plan.py
+
+import memory_plan  # noqa: E402
+
+
+def test_memory_plan_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        memory_plan.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    assert "--no-measure" in capsys.readouterr().out
+
+
+def test_memory_plan_formula_on_a_hand_computed_block_and_engine():
+    """One LLaDA block (d 128, 4 heads, SwiGLU 384) in fp32 with full fine-tuning and no mask, per token, counted by
+    hand from the block's forward: norm 1 saves its rsqrt (4) and normalised tensor (512; its fp32 input is the
+    block's input, which the checkpoint keeps); q, k, v read one saved input (512); SDPA saves q, k, v (3 x 512), its
+    output (512, also the output projection's input) and the log-sum-exp (4 heads x 4); norm 2 saves the residual
+    (512), its rsqrt (4) and normalised tensor (512); the MLP saves the norm's output (512), the gate, SiLU and up
+    outputs (3 x 1536) and their product (1536): 10,776 bytes. In bf16: 6,168 (the norms' fp32 copies, 2-byte
+    activations). The LLaDA-8B ZeRO-3 terms: weights, master, gradients and moments shard over 8 GPUs."""
+    size = memory_plan.ModelSize(d_model=128, n_layers=4, n_heads=4, mlp_hidden_size=384)
+    arch = memory_plan.llada_architecture("tiny", size)
+    by_hand = (4 + 512) + 512 + 3 * 512 + 512 + 16 + (512 + 4 + 512) + 512 + 3 * 1536 + 1536
+    assert by_hand == 10_776
+    assert memory_plan.block_bytes(arch, 0, 4, 288, False, None).saved == by_hand
+    assert memory_plan.block_bytes(arch, 0, 2, 288, False, None).saved == 6_168
+    # with a mask SDPA also saves its float copy: one value per key
+    assert memory_plan.block_bytes(arch, 0, 4, 288, True, None).saved == by_hand + 4 * 288
+
+    llada = memory_plan.published_architectures()["LLaDA-8B"]
+    assert llada.parameters == 8_015_581_184
+    static = memory_plan.static_bytes(llada, memory_plan.Setup("ZeRO-3", "full"))
+    parameters = llada.parameters
+    assert static["weights"] == 2 * parameters / 8
+    assert static["master"] == 4 * parameters / 8
+    assert static["gradients"] == 2 * parameters / 8
+    assert static["optimiser"] == 8 * parameters / 8
+    assert static["gradient_buffers"] == 2 * 500_000_000
+    # LoRA r = 128 on LLaDA's seven projections: 32 blocks x 128 x (4 x (4096 + 4096) + 3 x (4096 + 12288))
+    assert llada.lora_parameters(128) == 32 * 128 * (4 * 8192 + 3 * 16384)
+
+
+def test_memory_plan_without_measuring(tmp_path):
+    payload = memory_plan.main(["--no-measure", "--output-dir", str(tmp_path)])
+    assert load_outputs(tmp_path, "memory_plan")["benchmark"] == "memory_plan"
+    cells = {(row["model"], row["family"], row["mode"], row["engine"]): row for row in payload["plan"]}
+    assert len(cells) == 3 * 7 * 3 * 4
+    assert cells[("LLaDA-8B", "LFPO", "full", "ZeRO-3")]["refused"].startswith("refused")
+    assert "n/a" in cells[("SDAR-8B", "JustGRPO", "full", "DDP")]["refused"]
+    vrpo, bgpo = cells[("LLaDA-8B", "VRPO", "full", "FSDP2")], cells[("LLaDA-8B", "BGPO", "full", "FSDP2")]
+    assert vrpo["activations"] > bgpo["activations"]  # n_t graphs held against one at a time
+    assert cells[("LLaDA-8B", "BGPO", "full", "DDP")]["peak"] > cells[("LLaDA-8B", "BGPO", "full", "FSDP2")]["peak"]
+
+
+# Slow (~20 s): the suite's 10-minute budget; `make test-slow` runs it.
+@pytest.mark.slow
+def test_memory_plan_smoke(tmp_path):
+    payload = memory_plan.main(["--smoke", "--output-dir", str(tmp_path)])
+    saved = load_outputs(tmp_path, "memory_plan")
+    assert saved["preset"] == "smoke"
+    (point,) = payload["check"]["points"]
+    assert point["trainer"] == "vrpo" and point["measured_bytes"] > 0 and point["predicted_bytes"] > 0
+    # AdamW's two moments; its step counters (4 bytes per tensor) are the rest
+    assert point["optimiser_state_bytes"] == pytest.approx(point["predicted"]["optimiser"], rel=0.01)
+    assert payload["structure"]["passed"] is True
