@@ -288,6 +288,7 @@ def test_activation_memory_is_that_of_one_pass(sharp_eos_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------- data parallel
 
 
+@pytest.mark.slow  # 23 s; JustGRPO under every engine also runs in `make test-distributed`
 def test_two_processes_train_like_one_process(short_eos_dir, tmp_path):
     """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows (`ddp_worker.py --trainer
     just_grpo`: L = 16, 3 positions a pass, early stops): the same rollouts, and the same parameters after one SGD
