@@ -6,6 +6,11 @@ decode a masked diffusion model, and a base model loaded from a local directory 
 the base model (its Hub id, or the local directory's name), the algorithm and its paper, the sampler settings of the
 training rollouts and the final logged metrics, and its quick start loads the model with the transformers Auto
 classes after `import trl_diffusion` and decodes with [`~trl_diffusion.generate`] under those settings.
+
+Its metadata is the Hub's: `license` (the base model's, as its card declares it; TRL writes `licence`, which the Hub
+ignores), `library_name` (`transformers`, or `peft` for an adapter), `pipeline_tag`, `base_model` with
+`base_model_relation`, the Hub ids of the training data (a built-in task's too), and TRL's tags (`trackio:` URL,
+`unsloth`, `hf_jobs`) beside the trainer's; `custom_code` when the published modeling code loads it.
 """
 
 from __future__ import annotations
@@ -13,10 +18,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import fields
+from functools import cache
 from importlib.metadata import version
 
-from huggingface_hub import ModelCard, ModelCardData
-from transformers import is_wandb_available
+import yaml
+from accelerate.utils import is_peft_model
+from huggingface_hub import ModelCard, ModelCardData, hf_hub_download, metadata_load
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
+from transformers import CONFIG_MAPPING, is_wandb_available
 from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
 from . import __version__
@@ -32,6 +41,20 @@ HEADLINE_METRICS = ("reward", "reward_std", "kl", "loss", "grad_norm", "mean_tok
 NON_METRICS = ("step", "epoch", "total_flos")
 # The prompt of the quick start.
 EXAMPLE_QUESTION = "What is 12 + 35?"
+# `DiffusionGenerationConfig` fields that belong to one call rather than to the sampler's settings: left out of the
+# card's table and snippet.
+PER_CALL_FIELDS = ("record_steps", "record_commit_logprobs", "seed")
+# The Hub datasets each built-in Hub task trains on (its `train` split; HumanEval has only `test`), for the card's
+# `datasets`; the procedural tasks generate their data and have none. tests/test_model_card.py checks it against
+# the loaders in `tasks/hub.py`.
+TASK_DATASETS = {
+    "gsm8k": ("openai/gsm8k",),
+    "math": ("ankner/math-500",),
+    "mbpp": ("google-research-datasets/mbpp",),
+    "humaneval": ("openai/openai_humaneval",),
+}
+# The base model's license keys the card carries over (`license_name` and `license_link` go with `license: other`).
+LICENSE_KEYS = ("license", "license_name", "license_link")
 
 CARD_TEMPLATE = """---
 {{ card_data }}
@@ -39,17 +62,16 @@ CARD_TEMPLATE = """---
 
 # Model Card for {{ model_name }}
 
-This model is a fine-tuned version of {{ base_model_text }}{% if dataset_text %} on {{ dataset_text }}{% endif %}. \
+This model is {{ model_kind }} {{ base_model_text }}{% if dataset_text %} on {{ dataset_text }}{% endif %}. \
 It is a masked \
 diffusion language model: it fills a canvas of masked tokens in a number of denoising steps instead of writing left \
 to right. It was trained with trl_diffusion, built on [TRL](https://github.com/huggingface/trl).
 
 ## Quick start
 
-`pipeline("text-generation")` and `model.generate` decode left to right and do not apply. Load the model with the \
-transformers Auto classes after `import trl_diffusion` (which registers the native LLaDA and Dream architectures) \
-and decode with `trl_diffusion.generate`{% if trained_sampler %}, here with the sampler settings of the training \
-rollouts{% endif %}; trl_diffusion must be installed:
+`pipeline("text-generation")` and `model.generate` decode left to right and do not apply. {{ loading_text }} Decode \
+with `trl_diffusion.generate`{% if trained_sampler %}, here with the sampler settings of the training \
+rollouts{% endif %}; trl_diffusion must be installed{% if adapter %}, and PEFT{% endif %}:
 
 ```python
 {{ snippet }}
@@ -91,7 +113,8 @@ settings{% if sft_canvas %} on the training canvas ({{ sft_canvas }} tokens, one
 ### Framework versions
 
 - trl_diffusion: {{ trl_diffusion_version }}
-- TRL: {{ trl_version }}
+{% if peft_version %}- PEFT: {{ peft_version }}
+{% endif %}- TRL: {{ trl_version }}
 - Transformers: {{ transformers_version }}
 - Pytorch: {{ pytorch_version }}
 - Datasets: {{ datasets_version }}
@@ -123,12 +146,11 @@ SNIPPET_TEMPLATE = """\
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import trl_diffusion  # registers the LLaDA and Dream architectures with the Auto classes
-from trl_diffusion import DiffusionAdapter, DiffusionGenerationConfig, cut_at_terminator, generate
+{trl_diffusion_import}from trl_diffusion import DiffusionAdapter, DiffusionGenerationConfig, cut_at_terminator, generate
 
 model_id = "{model_id}"  # or the local directory that holds this card
-tokenizer = AutoTokenizer.from_pretrained(model_id)
-model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto", device_map="auto").eval()
+tokenizer = AutoTokenizer.from_pretrained(model_id{remote_code_argument})
+model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto", device_map="auto"{remote_code_argument}).eval()
 adapter = DiffusionAdapter.from_model(model, tokenizer{mask_token_argument})  # mask token and terminators
 
 {prompt_lines}
@@ -171,21 +193,116 @@ def base_model_reference(model_config) -> tuple[str | None, str]:
     return name_or_path, f"[{name_or_path}](https://huggingface.co/{name_or_path})"
 
 
-def dataset_reference(dataset_name: str | None) -> tuple[str | None, str | None]:
-    """The training data of a card: `(Hub id or None, text for the card or None)`.
+def dataset_reference(dataset_name: str | None) -> tuple[list[str] | None, str | None]:
+    """The training data of a card: `(Hub dataset ids or None, text for the card or None)`.
 
     Args:
         dataset_name (`str`, *optional*):
-            A Hub id, a local directory, or the name of a built-in task (`trl-diffusion bgpo --dataset_name
-            countdown`), which the Hub's `datasets` field cannot hold.
+            A Hub id, a local path, or the name of a built-in task (`trl-diffusion bgpo --dataset_name countdown`):
+            a Hub task gives the Hub datasets it loads ([`TASK_DATASETS`]), a procedural task or a local path none
+            (the Hub's `datasets` field holds Hub ids only).
     """
     if dataset_name is None:
         return None, None
     if dataset_name in TASKS:
-        return None, f"the built-in `{dataset_name}` task of trl_diffusion"
-    if os.path.isdir(dataset_name):
+        hub_ids = TASK_DATASETS.get(dataset_name)
+        text = f"the built-in `{dataset_name}` task of trl_diffusion"
+        if hub_ids is None:
+            return None, text
+        links = ", ".join(f"[{hub_id}](https://huggingface.co/datasets/{hub_id})" for hub_id in hub_ids)
+        return list(hub_ids), f"{text} ({links})"
+    if os.path.exists(dataset_name):
         return None, f"the local dataset `{os.path.basename(os.path.normpath(dataset_name))}`"
-    return dataset_name, f"the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset"
+    return [dataset_name], f"the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset"
+
+
+@cache
+def base_model_license(name_or_path: str) -> tuple[tuple[str, str], ...]:
+    """The license metadata of the base model's card, as `(key, value)` pairs of [`LICENSE_KEYS`]: from the
+    `README.md` of its local directory, or of its Hub repository (the cache, else the Hub; once per process). Empty
+    when there is no card, it declares no license, or it cannot be read: the card then has no `license`.
+
+    Args:
+        name_or_path (`str`):
+            The base model's local directory or Hub id.
+    """
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, "README.md")
+        if not os.path.isfile(path):
+            return ()
+    else:
+        try:
+            path = hf_hub_download(name_or_path, "README.md")
+        except (EntryNotFoundError, HfHubHTTPError, HFValidationError, OSError):
+            return ()  # offline and not cached, no such repository, gated, or no card
+    try:
+        metadata = metadata_load(path) or {}
+    except yaml.YAMLError:
+        return ()
+    return tuple((key, metadata[key]) for key in LICENSE_KEYS if metadata.get(key))
+
+
+def loading_route(model_config) -> str:
+    """How the transformers Auto classes find the architecture of `model_config`: `"trl_diffusion"` (a native class,
+    registered by `import trl_diffusion`), `"transformers"` (one of transformers' own) or `"remote_code"` (neither: only
+    the published modeling code loads it, with `trust_remote_code=True`)."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        return "remote_code"
+    return "trl_diffusion" if CONFIG_MAPPING[model_type].__module__.startswith("trl_diffusion.") else "transformers"
+
+
+def remote_code_loads(auto_map, directory: str | None) -> bool:
+    """Whether `trust_remote_code=True` loads a checkpoint whose config has `auto_map`: it names modeling code and
+    every module it names is in `directory` (or in another repository, `repo--module.Class`). `directory=None`: a
+    published Hub repository, which holds the code its `auto_map` names."""
+    references = [
+        reference
+        for value in (auto_map or {}).values()
+        for reference in (value if isinstance(value, (list, tuple)) else [value])
+        if reference
+    ]
+    if not references:
+        return False
+    return directory is None or all(
+        "--" in reference or os.path.isfile(os.path.join(directory, reference.rsplit(".", 1)[0] + ".py"))
+        for reference in references
+    )
+
+
+def saved_auto_map(directory: str | None):
+    """The `auto_map` of the `config.json` saved in `directory`, or `None` (no saved config, or no `auto_map`)."""
+    path = os.path.join(directory, "config.json") if directory else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file).get("auto_map")
+
+
+def loading_text(route: str, model_type: str, remote_code: bool, adapter: str | None) -> str:
+    """The card's sentences on how the model loads: its architecture's route ([`loading_route`]), whether the
+    published modeling code loads it too, and, for an adapter (`adapter`: its PEFT method), that it loads on its
+    base."""
+    architecture = f"The architecture (`{model_type}`)"
+    if route == "trl_diffusion":
+        text = (
+            f"{architecture} is a trl_diffusion native class: load the model with the transformers Auto classes "
+            "after `import trl_diffusion`, which registers it."
+        )
+    elif route == "transformers":
+        text = f"{architecture} is one of transformers' own: the transformers Auto classes load the model."
+    else:
+        text = (
+            f"{architecture} is neither transformers' nor trl_diffusion's: its published modeling code loads the "
+            "model, with `trust_remote_code=True`."
+        )
+    if remote_code and route != "remote_code":
+        text += (
+            " The published modeling code (`auto_map`) loads it too, on transformers alone: `trust_remote_code=True`."
+        )
+    if adapter:
+        text = f"The Auto classes load the adapter on its base model. {text}"
+    return text
 
 
 def card_sampler(args) -> tuple[bool, DiffusionGenerationConfig]:
@@ -207,7 +324,7 @@ def card_sampler(args) -> tuple[bool, DiffusionGenerationConfig]:
 
 def sampler_arguments(config: DiffusionGenerationConfig) -> dict:
     """The keyword arguments that rebuild `config`: the canvas, block, steps (resolved) and temperature, and every
-    other field that differs from its default (`record_steps` and `seed` left out)."""
+    other field that differs from its default ([`PER_CALL_FIELDS`] left out)."""
     defaults = DiffusionGenerationConfig()
     arguments = {
         "max_completion_length": config.max_completion_length,
@@ -217,7 +334,7 @@ def sampler_arguments(config: DiffusionGenerationConfig) -> dict:
     }
     for field in fields(DiffusionGenerationConfig):
         value = getattr(config, field.name)
-        if field.name not in (*arguments, "record_steps", "seed") and value != getattr(defaults, field.name):
+        if field.name not in (*arguments, *PER_CALL_FIELDS) and value != getattr(defaults, field.name):
             arguments[field.name] = value
     return arguments
 
@@ -237,7 +354,9 @@ def final_metrics(log_history: list[dict]) -> list[tuple[str, str, int]]:
     return [(name, *last[name]) for name in order]
 
 
-def quick_start_snippet(model_id: str, config: DiffusionGenerationConfig, tokenizer, mask_token_id=None) -> str:
+def quick_start_snippet(
+    model_id: str, config: DiffusionGenerationConfig, tokenizer, mask_token_id=None, route: str = "trl_diffusion"
+) -> str:
     """The card's quick start: load `model_id`, decode one prompt with `config`, print the completion.
 
     Args:
@@ -249,71 +368,108 @@ def quick_start_snippet(model_id: str, config: DiffusionGenerationConfig, tokeni
             The model's tokenizer: with a chat template, the prompt is one user message through it; else plain text.
         mask_token_id (`int`, *optional*):
             The training config's explicit mask token, passed on to `DiffusionAdapter.from_model`.
+        route (`str`, *optional*, defaults to `"trl_diffusion"`):
+            How the Auto classes find the architecture ([`loading_route`]): `"trl_diffusion"` imports the package
+            first, `"remote_code"` passes `trust_remote_code=True`.
     """
     chat = getattr(tokenizer, "chat_template", None) is not None
     prompt = (CHAT_PROMPT if chat else TEXT_PROMPT).format(question=json.dumps(EXAMPLE_QUESTION))
     arguments = ", ".join(f"{name}={value!r}" for name, value in sampler_arguments(config).items())
     return SNIPPET_TEMPLATE.format(
         model_id=model_id,
+        trl_diffusion_import=(
+            "import trl_diffusion  # registers the architecture with the transformers Auto classes\n"
+            if route == "trl_diffusion"
+            else ""
+        ),
+        remote_code_argument=", trust_remote_code=True" if route == "remote_code" else "",
         mask_token_argument="" if mask_token_id is None else f", mask_token_id={mask_token_id}",
         prompt_lines=prompt,
         sampler_arguments=arguments,
     )
 
 
-def generate_model_card(trainer, model_name: str | None, dataset_name: str | None, tags: list[str]) -> ModelCard:
+def generate_model_card(
+    trainer, model_name: str | None, dataset_name: str | None, tags: list[str], directory: str | None = None
+) -> ModelCard:
     """The model card of `trainer`'s model.
 
     Args:
         trainer (`DiffusionRLTrainer` or `DiffusionSFTTrainer`):
-            The trainer: its model's config (the base model), `args` (the sampler), `state.log_history` (the
-            metrics), `_name` and `_paper` (the algorithm), `processing_class` (the snippet's prompt).
+            The trainer: its model (the base model, whether it is a PEFT adapter, how it loads), `args` (the
+            sampler), `state.log_history` (the metrics), `_name` and `_paper` (the algorithm), `processing_class`
+            (the snippet's prompt).
         model_name (`str`, *optional*):
             Name of the trained model.
         dataset_name (`str`, *optional*):
-            The training dataset: a Hub id, a local directory or a built-in task ([`dataset_reference`]).
+            The training dataset: a Hub id, a local path or a built-in task ([`dataset_reference`]).
         tags (`list[str]`):
-            The card's tags, besides `generated_from_trainer`.
+            The card's tags, besides `generated_from_trainer` and those of the model (`custom_code`, the PEFT
+            method).
+        directory (`str`, *optional*):
+            Where the card goes: a full model saved there loads with its modeling code only if its `config.json`'s
+            `auto_map` names files there ([`remote_code_loads`]).
     """
-    from .trainer.base_config import SAMPLER_FIELDS  # here: the trainers import this module
-
-    base_model, base_model_text = base_model_reference(trainer.model.config)
-    dataset, dataset_text = dataset_reference(dataset_name)
+    model_config = trainer.model.config
+    base_model, base_model_text = base_model_reference(model_config)
+    base_path = get_config_model_id(model_config)
+    datasets, dataset_text = dataset_reference(dataset_name)
     trained_sampler, config = card_sampler(trainer.args)
+    # The sampler's own fields, not the trainer config's: this module sits below the trainer layer.
     settings = [
-        (name, config.num_steps if name == "diffusion_steps" else getattr(config, name)) for name in SAMPLER_FIELDS
+        (field.name, config.num_steps if field.name == "diffusion_steps" else getattr(config, field.name))
+        for field in fields(DiffusionGenerationConfig)
+        if field.name not in PER_CALL_FIELDS
     ]
+    adapter = str(trainer.model.active_peft_config.peft_type.value) if is_peft_model(trainer.model) else None
+    route = loading_route(model_config)
+    if adapter:
+        # The adapter loads on its base: a Hub base holds the code its `auto_map` names, a local one is checked.
+        remote_code = remote_code_loads(
+            getattr(model_config, "auto_map", None), base_path if os.path.isdir(base_path or "") else None
+        )
+    else:
+        remote_code = remote_code_loads(saved_auto_map(directory), directory)
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
     snippet = quick_start_snippet(
-        trainer.hub_model_id or model_name, config, tokenizer, getattr(trainer.args, "mask_token_id", None)
+        trainer.hub_model_id or model_name, config, tokenizer, getattr(trainer.args, "mask_token_id", None), route
     )
+    model_tags = (["custom_code"] if remote_code else []) + (["transformers", adapter.lower()] if adapter else [])
     card_data = ModelCardData(
         base_model=base_model,
-        datasets=dataset,
-        library_name="transformers",
-        licence="license",
+        # The Hub's relations: adapter, finetune, merge, quantized. A local base has no Hub id to relate to.
+        base_model_relation=("adapter" if adapter else "finetune") if base_model else None,
+        datasets=datasets,
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag="text-generation",
         model_name=model_name,
-        tags=["generated_from_trainer", *tags],
+        tags=["generated_from_trainer", *tags, *model_tags],
+        **dict(base_model_license(base_path) if base_path else ()),
     )
+    trackio_url = get_trackio_space_url()
     return ModelCard.from_template(
         card_data,
         template_str=CARD_TEMPLATE,
         model_name=model_name,
+        model_kind=f"a PEFT adapter (`{adapter}`) for" if adapter else "a fine-tuned version of",
         base_model_text=base_model_text,
         dataset_text=dataset_text,
+        loading_text=loading_text(route, model_config.model_type, remote_code, adapter),
+        adapter=adapter,
         trained_sampler=trained_sampler,
         sampler_settings=settings,
         sft_canvas=getattr(trainer.args, "max_completion_length", None),
         snippet=snippet,
         metrics=final_metrics(trainer.state.log_history),
         wandb_url=wandb.run.url if is_wandb_available() and wandb.run is not None else None,
-        trackio_url=get_trackio_space_url(),
+        trackio_url=trackio_url,
         comet_url=get_comet_experiment_url(),
         trainer_name=trainer._name,
         trainer_citation=trainer._paper.get("citation"),
         paper_title=trainer._paper.get("title"),
         paper_id=trainer._paper.get("id"),
         trl_diffusion_version=__version__,
+        peft_version=version("peft") if adapter else None,
         trl_version=version("trl"),
         transformers_version=version("transformers"),
         pytorch_version=version("torch"),
@@ -325,7 +481,10 @@ def generate_model_card(trainer, model_name: str | None, dataset_name: str | Non
 class DiffusionModelCardMixin:
     """For the trainers (a TRL trainer subclass): the diffusion model card ([`generate_model_card`]) instead of
     TRL's, written to `args.output_dir` by `create_model_card` (at each checkpoint and push, as TRL does) and to the
-    saved directory by `save_model`, before the weights, so that PEFT adds its adapter metadata to it."""
+    saved directory by `save_model`, after the weights: it replaces the metadata PEFT writes with an adapter (PEFT
+    would set a local base's path as `base_model` and drop the card's tags) and carries PEFT's own (`library_name:
+    peft`, `pipeline_tag`, the method's tag, its version), since `push_to_hub` rewrites it with `create_model_card`
+    anyway."""
 
     def create_model_card(
         self,
@@ -346,9 +505,9 @@ class DiffusionModelCardMixin:
         self._write_model_card(self.args.output_dir, model_name, dataset_name, tags)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Writes the model card to the directory, then saves the model there as `Trainer.save_model` does."""
-        self._write_model_card(output_dir or self.args.output_dir)
+        """Saves the model as `Trainer.save_model` does, then writes the model card to the directory."""
         super().save_model(output_dir, _internal_call)
+        self._write_model_card(output_dir or self.args.output_dir)
 
     def _write_model_card(self, directory, model_name=None, dataset_name=None, tags=None) -> None:
         if not self.is_world_process_zero():
@@ -360,10 +519,18 @@ class DiffusionModelCardMixin:
                 if hub_model_id
                 else os.path.basename(os.path.normpath(self.args.output_dir))
             )
+        # TRL's tags (its `create_model_card`): the trainer's, `unsloth`, `hf_jobs`, and one `trackio:` tag with the
+        # current run's URL in place of any earlier one.
         tags = {tags} if isinstance(tags, str) else set(tags or ())
         tags.update(self._tag_names)
+        if hasattr(self.model.config, "unsloth_version"):
+            tags.add("unsloth")
         if "JOB_ID" in os.environ:
             tags.add("hf_jobs")
-        card = generate_model_card(self, model_name, dataset_name, sorted(tags))
+        trackio_url = get_trackio_space_url()
+        if trackio_url is not None:
+            tags = {tag for tag in tags if not tag.startswith("trackio:")}
+            tags.add(f"trackio:{trackio_url}")
+        card = generate_model_card(self, model_name, dataset_name, sorted(tags), directory)
         os.makedirs(directory, exist_ok=True)
         card.save(os.path.join(directory, "README.md"))

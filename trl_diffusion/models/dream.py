@@ -2,7 +2,7 @@
 `trust_remote_code`.
 
 Dream is Qwen2.5 run bidirectionally: identical parameter names and shapes, so the published checkpoints load into
-`Qwen2ForCausalLM` modules unchanged. Its outputs keep the autoregressive alignment of the Qwen2.5 initialisation (the
+`Qwen2ForCausalLM` modules unchanged. Its outputs keep the autoregressive alignment of the Qwen2.5 initialization (the
 output at position `i` predicts token `i + 1`); the package's adapter undoes that shift, the model does not.
 """
 
@@ -13,18 +13,20 @@ from types import MappingProxyType
 from huggingface_hub.dataclasses import strict
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from .published_layout import PublishedLayoutMixin, rope_fields
+
 DREAM_MASK_TOKEN_ID = 151666
 # Recommended LoRA targets: every attention and MLP projection of the decoder layers (the head is `lm_head`).
 DREAM_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @strict
-class DreamConfig(Qwen2Config):
+class DreamConfig(PublishedLayoutMixin, Qwen2Config):
     r"""
     Configuration of a Dream model: a [`Qwen2Config`] whose defaults are the published Dream-v0-7B values, with the
     diffusion mask token and bidirectional attention. The published `config.json` (top-level `rope_theta` /
     `rope_scaling`, `mask_token_id`, `use_cache`) loads as is; transformers moves the RoPE fields into
-    `rope_parameters`.
+    `rope_parameters`. `save_pretrained` writes the published layout too (see `published_layout`).
 
     Args:
         mask_token_id (`int`, *optional*, defaults to 151666):
@@ -34,7 +36,7 @@ class DreamConfig(Qwen2Config):
     """
 
     model_type = "Dream"
-    # A class attribute, not a field (never serialised): TRL reads `config.auto_map` to pick an Auto class for
+    # A class attribute, not a field (never serialized): TRL reads `config.auto_map` to pick an Auto class for
     # architectures transformers does not export; published configs set it per instance.
     auto_map = MappingProxyType({})
     default_theta = 1_000_000.0
@@ -59,6 +61,10 @@ class DreamConfig(Qwen2Config):
         super().__post_init__(**kwargs)
         # Read by transformers' Qwen2 (>= 5.2) to build bidirectional masks and call the kernels non-causally.
         self.is_causal = False
+
+    def published_fields(self, output):
+        # configuration_dream.py (transformers 4.x) reads the top-level RoPE fields (default base 10000).
+        output.update(rope_fields(self))
 
 
 class DreamModel(Qwen2ForCausalLM):

@@ -26,6 +26,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb, eager_attention_forward
 from transformers.utils.deprecation import deprecate_kwarg
 
+from .published_layout import PublishedLayoutMixin
+
 LLADA_MASK_TOKEN_ID = 126336
 # Recommended LoRA targets: every block projection. `ff_out` also names the output head (`model.transformer.ff_out`),
 # which is excluded so that LoRA adapts the blocks only, as with `lm_head` for Llama.
@@ -34,7 +36,7 @@ LLADA_LORA_EXCLUDE_MODULES = ["transformer.ff_out"]
 
 
 @strict
-class LLaDAConfig(PreTrainedConfig):
+class LLaDAConfig(PublishedLayoutMixin, PreTrainedConfig):
     r"""
     Configuration of a LLaDA model. It reads the published `config.json` of LLaDA-8B (field names of the original
     OLMo-derived `ModelConfig`), and every default is the published LLaDA-8B value, so `LLaDAConfig()` describes
@@ -78,7 +80,7 @@ class LLaDAConfig(PreTrainedConfig):
         multi_query_attention (`bool`, *optional*):
             Original shortcut for `n_kv_heads=1`.
         attention_layer_norm (`bool`, *optional*, defaults to `False`):
-            Query/key normalisation; not implemented.
+            Query/key normalization; not implemented.
         attention_layer_norm_with_affine (`bool`, *optional*, defaults to `True`):
             Unused (query/key norm only).
         residual_dropout (`float`, *optional*, defaults to 0.0):
@@ -138,7 +140,7 @@ class LLaDAConfig(PreTrainedConfig):
     """
 
     model_type = "llada"
-    # A class attribute, not a field (never serialised): TRL reads `config.auto_map` to pick an Auto class for
+    # A class attribute, not a field (never serialized): TRL reads `config.auto_map` to pick an Auto class for
     # architectures transformers does not export; published configs set it per instance.
     auto_map = MappingProxyType({})
     keys_to_ignore_at_inference = ["cache"]
@@ -378,7 +380,7 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
 
 
 class LLaDAPreTrainedModel(PreTrainedModel):
-    """Weight initialisation and the transformers capabilities shared by the LLaDA models."""
+    """Weight initialization and the transformers capabilities shared by the LLaDA models."""
 
     config_class = LLaDAConfig
     base_model_prefix = "model"

@@ -2,7 +2,7 @@
 `trust_remote_code`.
 
 LLaDA2.x is a block-diffusion mixture of experts whose math is GLM-4-MoE's (DeepSeek-V3's sigmoid router with an
-expert-score bias, group-limited top-k, renormalised weights scaled by `routed_scaling_factor`, a shared expert, a
+expert-score bias, group-limited top-k, renormalized weights scaled by `routed_scaling_factor`, a shared expert, a
 first dense layer, per-head q/k RMSNorm before a partial RoPE), in the BailingMoeV2 module layout. So the model is
 `Glm4MoeForCausalLM` with block-causal attention (the SDAR mixin: full attention inside a block of `block_size`
 positions, causal across blocks, blocks counted from each row's first real token), and the published checkpoints load
@@ -21,6 +21,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Split, WeightConverter, WeightRenaming
 
+from .published_layout import PublishedLayoutMixin, rope_fields
 from .sdar import BlockCausalMixin, finish_block_causal_config
 
 LLADA2_MASK_TOKEN_ID = 156895  # <|mask|>
@@ -41,7 +42,7 @@ IMPLEMENTED_VALUES = {
 
 
 @strict
-class LLaDA2MoeConfig(Glm4MoeConfig):
+class LLaDA2MoeConfig(PublishedLayoutMixin, Glm4MoeConfig):
     r"""
     Configuration of a LLaDA2.x model: a [`Glm4MoeConfig`] whose defaults are the published LLaDA2.0-mini values
     (16B total, 1.4B active: 20 layers, the first dense, 256 routed experts in 8 groups, 8 per token from the 4 best
@@ -105,6 +106,27 @@ class LLaDA2MoeConfig(Glm4MoeConfig):
         super().__post_init__(**kwargs)
         self.rope_parameters.setdefault("partial_rotary_factor", 0.5)
         finish_block_causal_config(self)
+
+    def published_fields(self, output):
+        # configuration_llada2_moe.py (transformers 4.x) reads the top-level RoPE fields, and its defaults are not
+        # LLaDA2's (RoPE base 10000, `use_bias=True`, dropouts 0.1, ...): write every field it reads, with the values
+        # the native model implements.
+        output.update(rope_fields(self))
+        partial_rotary_factor = self.rope_parameters["partial_rotary_factor"]
+        output["partial_rotary_factor"] = partial_rotary_factor
+        # Glm4MoeConfig may leave `head_dim` unset (then hidden_size // num_attention_heads, as the published class).
+        head_dim = getattr(self, "head_dim", None) or self.hidden_size // self.num_attention_heads
+        output["head_dim"] = head_dim
+        output["rotary_dim"] = int(head_dim * partial_rotary_factor)
+        output.update(IMPLEMENTED_VALUES)
+        output.update(
+            moe_router_enable_expert_bias=True,
+            embedding_dropout=0.0,
+            output_dropout=0.0,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=self.num_hidden_layers,
+        )
 
 
 class LLaDA2MoeModelLM(BlockCausalMixin, Glm4MoeForCausalLM):

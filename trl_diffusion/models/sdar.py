@@ -31,6 +31,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 from transformers.utils.deprecation import deprecate_kwarg
 
+from .published_layout import PublishedLayoutMixin, rope_fields
+
 SDAR_MASK_TOKEN_ID = 151669  # <|MASK|>
 SDAR_BLOCK_SIZE = 4
 # Recommended LoRA targets: every attention and dense MLP projection of the decoder layers (the head is `lm_head`).
@@ -205,7 +207,7 @@ class BlockCausalMixin:
 
 
 @strict
-class SDARConfig(Qwen3Config):
+class SDARConfig(PublishedLayoutMixin, Qwen3Config):
     r"""
     Configuration of an SDAR (or TraDo) model: a [`Qwen3Config`] whose defaults are the published SDAR-8B-Chat values,
     with the diffusion mask token, the block size and block-causal attention. The published `config.json` loads as
@@ -246,9 +248,13 @@ class SDARConfig(Qwen3Config):
         super().__post_init__(**kwargs)
         finish_block_causal_config(self)
 
+    def published_fields(self, output):
+        # configuration_sdar.py (transformers 4.x) reads the top-level RoPE fields (default base 10000).
+        output.update(rope_fields(self))
+
 
 @strict
-class SDARMoeConfig(Qwen3MoeConfig):
+class SDARMoeConfig(PublishedLayoutMixin, Qwen3MoeConfig):
     r"""
     Configuration of SDAR-30B-A3B: a [`Qwen3MoeConfig`] whose defaults are the published SDAR-30B-A3B-Chat values
     (128 experts, 8 per token, no shared expert), with the diffusion mask token, the block size and block-causal
@@ -293,6 +299,14 @@ class SDARMoeConfig(Qwen3MoeConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         finish_block_causal_config(self)
+
+    def published_fields(self, output):
+        # configuration_sdar_moe.py (transformers 4.x) reads the top-level RoPE fields (default base 10000) and
+        # `num_experts`, which transformers 5 writes as `num_local_experts` (and reads under both names).
+        output.update(rope_fields(self))
+        output["num_experts"] = output.pop("num_local_experts")
+        # Read (default 28) but unused without a sliding window; transformers 5's Qwen3-MoE has no such field.
+        output.setdefault("max_window_layers", self.num_hidden_layers)
 
 
 class SDARForCausalLM(BlockCausalMixin, Qwen3ForCausalLM):
