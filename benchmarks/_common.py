@@ -154,7 +154,7 @@ def resolve_device(requested: str) -> str:
 
 
 def clock(device: str) -> float:
-    """The time base of the benchmarks' phase timings, in seconds. On a GPU: wall time, after synchronising. On the
+    """The time base of the benchmarks' phase timings, in seconds. On a GPU: wall time, after synchronizing. On the
     CPU: this process's CPU time. With one torch thread that is the work done by the step, which other processes'
     load on a shared machine changes far less than wall time (that stretches by whatever share of the cores they
     take); it still slows each instruction somewhat, so compare figures from one run."""
@@ -164,7 +164,7 @@ def clock(device: str) -> float:
     return time.process_time()
 
 
-CLOCK_NAMES = {"cuda": "wall time (CUDA synchronised)", "cpu": "process CPU time (time.process_time)"}
+CLOCK_NAMES = {"cuda": "wall time (CUDA synchronized)", "cpu": "process CPU time (time.process_time)"}
 
 
 def set_threads(threads: int | None) -> None:
@@ -207,7 +207,7 @@ def fresh_process_context(device: str):
     On the CPU: processes forked from a fork server that has imported the libraries but never run a model, so that
     nothing (allocator caches, memory high-water marks, warm kernels) carries over between jobs and each starts in a
     fraction of a second. With CUDA: `spawn`, a new interpreter per job, because a process forked after anything has
-    initialised the CUDA driver (some libraries probe it at import) cannot use the GPU.
+    initialized the CUDA driver (some libraries probe it at import) cannot use the GPU.
     """
     if device == "cuda":
         return multiprocessing.get_context("spawn")

@@ -2,7 +2,7 @@
 
 For each seed, the demo's first two stages run once (`trl_diffusion.demo.build_and_sft`): a tiny LLaDA SFT'd on
 `largest_digit` with random listed digits as answers (the format without the skill). Every trainer then starts
-from that seed's SFT model with the demo's budget: the same optimiser steps, rollout batch (8 prompts x 8
+from that seed's SFT model with the demo's budget: the same optimizer steps, rollout batch (8 prompts x 8
 completions), sampling temperature 1.0, learning rate (constant, no warm-up), gradient clipping and seed;
 `num_iterations=1`, the demo's KL coefficient `beta=0.04` towards the SFT model (LFPO, which estimates no
 likelihood, has no KL term: `beta=0`, its EMA old policy anchors it), and otherwise each objective at its own
@@ -97,7 +97,7 @@ def rollout_sampler(mode: str, max_completion_length: int, block_length: int) ->
 
 # Fixed for every trainer: the budget and the comparability settings.
 RL_SETTINGS = {
-    "per_device_train_batch_size": 64,  # rollouts per optimiser step: 8 prompts x 8 completions
+    "per_device_train_batch_size": 64,  # rollouts per optimizer step: 8 prompts x 8 completions
     "num_generations": 8,
     "temperature": 1.0,
     "lr_scheduler_type": "constant",
@@ -320,7 +320,7 @@ def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Pa
         curves.plot(steps, mean, color=COLORS[name], alpha=0.2, linewidth=0.8)
         curves.plot(steps, smooth, color=COLORS[name], linewidth=1.6, label=LABELS[name])
     curves.axhline(sft["accuracy_mean"], color="black", linestyle=":", linewidth=1, label="SFT held-out (greedy)")
-    curves.set_xlabel("optimiser step")
+    curves.set_xlabel("optimizer step")
     curves.set_ylabel(f"mean reward of the rollouts (mean over {settings['seeds']} seeds)")
     curves.set_ylim(0, 1)
     curves.set_title("Training reward (light: per step; bold: 5-step moving average)", fontsize=10)
@@ -371,8 +371,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Trainers (`NAME_public`: the public code's objective of spg, just_grpo and agrpo).",
     )
     parser.add_argument("--seeds", type=int, help="Number of seeds (0, 1, ...; default: the preset's, 3).")
-    parser.add_argument("--sft-steps", type=int, help="SFT optimiser steps (default: the preset's).")
-    parser.add_argument("--rl-steps", type=int, help="RL optimiser steps of every trainer (default: the preset's).")
+    parser.add_argument("--sft-steps", type=int, help="SFT optimizer steps (default: the preset's).")
+    parser.add_argument("--rl-steps", type=int, help="RL optimizer steps of every trainer (default: the preset's).")
     parser.add_argument("--num-eval-examples", type=int, help="Held-out test prompts (default: the preset's).")
     parser.add_argument("--learning-rate", type=float, help="RL learning rate of every trainer (default 1e-3).")
     parser.add_argument("--jobs", type=int, default=2, help="Runs in parallel, one fresh process each (default 2).")

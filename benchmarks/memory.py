@@ -2,8 +2,8 @@
 
 Swept parameter: `num_mc_samples` (VRPO, BGPO; ESPO: coupled pairs, two forward passes each) and `lfpo_num_states`
 K (LFPO, with `lfpo_group_size` fixed to the micro-batch rows, so every block holds the same number of states). Every
-point runs two optimiser steps as `Trainer.train` runs them (`training_step`, i.e. forward and backward, then gradient
-clipping, the optimiser's step and `zero_grad`; no generation) on the same pre-generated rollout batch, fed through a
+point runs two optimizer steps as `Trainer.train` runs them (`training_step`, i.e. forward and backward, then gradient
+clipping, the optimizer's step and `zero_grad`; no generation) on the same pre-generated rollout batch, fed through a
 patched `_prepare_inputs`, with activation (gradient) checkpointing enabled as `Trainer.train` enables it (TRL's
 default, on; `--gradient-checkpointing false` measures the activations themselves), and records
 
@@ -13,9 +13,9 @@ default, on; `--gradient-checkpointing false` measures the activations themselve
 - the peak process memory of the two steps above the memory held just before them (the model and the batch): on the
   CPU the resident set's high-water mark (`VmHWM`, reset to the current RSS right before the steps through
   `/proc/self/clear_refs`, after `gc` and `malloc_trim`; Linux), on a GPU `torch.cuda.max_memory_allocated` above
-  `memory_allocated` (peak stats reset before). It includes the parameter gradients and the optimiser's state (AdamW's
+  `memory_allocated` (peak stats reset before). It includes the parameter gradients and the optimizer's state (AdamW's
   two moments, allocated at the first step and held through the second step's forward and backward; its exact size is
-  `optimiser_state_bytes`). On the CPU glibc's allocator runs at its defaults, as in a training process;
+  `optimizer_state_bytes`). On the CPU glibc's allocator runs at its defaults, as in a training process;
   `--pin-mmap-threshold` pins its mmap threshold at 128 KiB, so that the figure follows the live tensors rather than
   heap fragmentation (see `_fix_mmap_threshold`).
 
@@ -72,7 +72,7 @@ from _common import (
 
 from trl_diffusion.utils import SavedTensorsMeter
 
-# Optimiser steps measured per point: the second runs its forward and backward with the optimiser's state held (Adam
+# Optimizer steps measured per point: the second runs its forward and backward with the optimizer's state held (Adam
 # allocates it at the first step) and the allocator as a running training leaves it.
 STEPS = 2
 SWEPT = {"vrpo": "num_mc_samples", "bgpo": "num_mc_samples", "espo": "num_mc_samples", "lfpo": "lfpo_num_states"}
@@ -198,8 +198,8 @@ def enable_checkpointing_as_train(trainer) -> None:
     )
 
 
-def optimiser_state_bytes(optimizer) -> int:
-    """Bytes of the tensors the optimiser keeps between steps (Adam's two moments and step counts)."""
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the tensors the optimizer keeps between steps (Adam's two moments and step counts)."""
     return sum(
         value.numel() * value.element_size()
         for state in optimizer.state.values()
@@ -209,12 +209,12 @@ def optimiser_state_bytes(optimizer) -> int:
 
 
 def measured_steps(trainer, batch: dict, device: str, steps: int):
-    """`steps` optimiser steps of `trainer` on the fixed `batch` as `Trainer.train` runs them (`training_step`,
-    clipping, the optimiser's step, `zero_grad`), checkpointing as `Trainer.train` enables it. Returns the optimiser,
+    """`steps` optimizer steps of `trainer` on the fixed `batch` as `Trainer.train` runs them (`training_step`,
+    clipping, the optimizer's step, `zero_grad`), checkpointing as `Trainer.train` enables it. Returns the optimizer,
     the [`PeakMemory`] and `SavedTensorsMeter` of the steps, and each step's seconds (`clock`)."""
     enable_checkpointing_as_train(trainer)
     trainer._prepare_inputs = lambda inputs: inputs  # the fixed batch, as given: no rollout
-    optimizer = trainer.create_optimizer()  # the optimiser `train()` would build; its state appears at its first step
+    optimizer = trainer.create_optimizer()  # the optimizer `train()` would build; its state appears at its first step
     seconds = []
     with PeakMemory(device) as process, SavedTensorsMeter() as saved:
         for _ in range(steps):
@@ -228,8 +228,8 @@ def measured_steps(trainer, batch: dict, device: str, steps: int):
 
 
 def measure_point(job: dict) -> dict:
-    """Worker: `STEPS` optimiser steps of `job["trainer"]` at `job["n"]` on the saved batch (each: `training_step`,
-    clipping, the optimiser's step, `zero_grad`), checkpointing as `Trainer.train` enables it; their peak memory."""
+    """Worker: `STEPS` optimizer steps of `job["trainer"]` at `job["n"]` on the saved batch (each: `training_step`,
+    clipping, the optimizer's step, `zero_grad`), checkpointing as `Trainer.train` enables it; their peak memory."""
     set_threads(job["threads"])
     if job["fix_mmap_threshold"]:
         _fix_mmap_threshold()
@@ -257,7 +257,7 @@ def measure_point(job: dict) -> dict:
         "saved_peak_bytes": saved.peak_bytes,
         "process_peak_bytes": process.peak_bytes,
         "process_baseline_bytes": process.baseline_bytes,
-        "optimiser_state_bytes": optimiser_state_bytes(optimizer),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "gradient_checkpointing": bool(trainer.args.activation_checkpointing),
         "step_seconds": round(seconds[-1], 4),
         "step_seconds_all": [round(value, 4) for value in seconds],
@@ -279,7 +279,7 @@ def linear_fit(xs: list[float], ys: list[float]) -> dict:
     return {"slope": slope, "intercept": intercept, "r2": 1.0 - residual / total if total > 0 else 1.0}
 
 
-def summarise(points: list[dict]) -> dict:
+def summarize(points: list[dict]) -> dict:
     """Per trainer and metric: ratio of the largest n to the smallest, and the linear fit over n."""
     summary = {}
     for name in dict.fromkeys(point["trainer"] for point in points):
@@ -363,7 +363,7 @@ def plot(points: list[dict], summary: dict, device: str, malloc: str, path: Path
         axis.legend(fontsize=8, loc="upper left")
     checkpointing = "on" if checkpointed else "off"
     figure.suptitle(
-        f"Memory of {STEPS} optimiser steps on a fixed rollout batch, optimiser state included, gradient "
+        f"Memory of {STEPS} optimizer steps on a fixed rollout batch, optimizer state included, gradient "
         f"checkpointing {checkpointing}, {malloc} (log-log)",
         fontsize=11,
     )
@@ -431,7 +431,7 @@ def main(argv=None) -> dict:
         malloc = "pinned mmap threshold" if fix_mmap_threshold else "glibc's default allocator settings"
         print(
             f"rollout batch: {preset.rollout.rows} completions, prompt {shape['prompt_length']} + canvas "
-            f"{shape['completion_length']} tokens; {STEPS} optimiser steps per point, gradient checkpointing "
+            f"{shape['completion_length']} tokens; {STEPS} optimizer steps per point, gradient checkpointing "
             f"{'on' if checkpointing else 'off'}, {malloc if device == 'cpu' else 'CUDA caching allocator'}"
         )
         results, skipped = [], []
@@ -450,13 +450,13 @@ def main(argv=None) -> dict:
                     continue
                 print(
                     f"{LABELS[name]:>5} n={n:<3} saved {mib(result['saved_peak_bytes']):9.1f} MiB, process "
-                    f"{mib(result['process_peak_bytes']):9.1f} MiB (optimiser state "
-                    f"{mib(result['optimiser_state_bytes']):.1f}), step {result['step_seconds']:.2f} s"
+                    f"{mib(result['process_peak_bytes']):9.1f} MiB (optimizer state "
+                    f"{mib(result['optimizer_state_bytes']):.1f}), step {result['step_seconds']:.2f} s"
                 )
                 results.append(result)
         model = model_description(model_dir)
 
-    summary = summarise(results)
+    summary = summarize(results)
     checks = acceptance(summary)
     elapsed = time.perf_counter() - started
     process = "process peak (MiB)" if device == "cpu" else "CUDA peak (MiB)"
@@ -499,7 +499,7 @@ def main(argv=None) -> dict:
             "num_iterations": 1,
             "gradient_checkpointing": checkpointing,
             "advantages": "+1/-1",
-            "optimiser_steps": STEPS,
+            "optimizer_steps": STEPS,
         },
         "lfpo_group_size": preset.rollout.rows,
         "process_memory": "cuda_max_memory_allocated" if device == "cuda" else "rss_high_water_mark",

@@ -25,7 +25,7 @@ v, output and log-sum-exp, ...), what a checkpointed block keeps (its input), wh
 of one block add, and the logits tensors of each trainer's scoring code, each read from the code it models.
 
 The check: the same formula at CPU scale (fp32, and bf16 weights without autocast) against the measured process peak of
-two optimiser steps of two micro-batches each (`benchmarks/memory.py`'s probe: the resident set's high-water mark above
+two optimizer steps of two micro-batches each (`benchmarks/memory.py`'s probe: the resident set's high-water mark above
 the memory held before the steps, reset through `/proc/self/clear_refs`, glibc's mmap threshold pinned so that the
 resident set follows the live tensors), on two model sizes (the 0.9M-parameter tiny LLaDA of `memory.py` and a
 20M-parameter LLaDA with a 32,000-token vocabulary), for VRPO, BGPO, DiffuGRPO and LFPO, each in a fresh process with
@@ -34,7 +34,7 @@ one torch thread; it passes when every point is within 15%. TraceRL, JustGRPO an
 per-block saved bytes of the formula with the unique bytes autograd saves in one block of a tiny LLaDA, SDAR and LLaDA2
 (fp32 and bf16, full fine-tuning and LoRA): exact for the dense blocks, within 3% for the MoE block (its index tensors
 follow the routing). The sharding divisors and engine buffers are not measured here (no GPU, no NCCL): they follow the
-engines' documented behaviour (see `ENGINE_NOTES`).
+engines' documented behavior (see `ENGINE_NOTES`).
 
     python benchmarks/memory_plan.py            # the plan and the CPU check (~5 minutes on 2 cores)
     python benchmarks/memory_plan.py --smoke    # seconds: the plan and one small check point (CI)
@@ -72,7 +72,7 @@ from memory import (
     _fix_mmap_threshold,
     enable_checkpointing_as_train,
     generate_batch,
-    optimiser_state_bytes,
+    optimizer_state_bytes,
 )
 
 GIB = 2**30
@@ -101,7 +101,7 @@ class MoE:
 @dataclass(frozen=True)
 class Architecture:
     """What the memory formula reads from a model: sizes from its config, parameter counts from the model built on
-    the meta device (through the package's own classes), the linear layers LoRA adapts and 4-bit quantises."""
+    the meta device (through the package's own classes), the linear layers LoRA adapts and 4-bit quantizes."""
 
     name: str
     kind: str  # "llada" (full attention, fp32 RoPE), "sdar" (Qwen3, block-causal), "llada2" (GLM-4-MoE, block-causal)
@@ -119,8 +119,8 @@ class Architecture:
     parameters: int  # trainable parameters (the state dict's floating tensors that train)
     embedding: int
     head: int
-    quantisable: int  # nn.Linear weights outside the output head: what bitsandbytes replaces by 4-bit
-    largest_linear: int  # elements of the largest quantisable weight (dequantised one at a time under QLoRA)
+    quantizable: int  # nn.Linear weights outside the output head: what bitsandbytes replaces by 4-bit
+    largest_linear: int  # elements of the largest quantizable weight (dequantized one at a time under QLoRA)
     largest_unit: int  # parameters of the largest transformer block (the FSDP2 / ZeRO-3 gather unit)
     root_unit: int  # parameters outside the blocks (FSDP2's root unit: embedding, norm, head)
     lora_widths: tuple[tuple[str, int, int], ...]  # per block: (name, in, out) of every LoRA-adapted linear layer
@@ -194,7 +194,7 @@ def architecture_of(name: str, model: torch.nn.Module) -> Architecture:
         for module_name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not head
     ]
-    quantisable = sum(module.weight.numel() for _, module in linears)
+    quantizable = sum(module.weight.numel() for _, module in linears)
     # LoRA: the rule's target names (the last component of a module's name), less its exclusions, per block (the
     # first block that has them all: LLaDA2's dense layer 0 and MoE layers adapt the same names, shared experts).
     widths: dict[int, list[tuple[str, int, int]]] = {}
@@ -230,7 +230,7 @@ def architecture_of(name: str, model: torch.nn.Module) -> Architecture:
         parameters=trainable,
         embedding=embedding.weight.numel(),
         head=head.weight.numel(),
-        quantisable=quantisable,
+        quantizable=quantizable,
         largest_linear=max(module.weight.numel() for _, module in linears),
         largest_unit=block_params,
         root_unit=trainable - in_blocks,
@@ -359,7 +359,7 @@ JUST_GRPO_HEAD = HeadCopies(resident=1, forward=3, backward=5)
 
 def _norm_saved(width: int, vectors: int, a: int, trainable: bool, input_is_fp32_saved_elsewhere: bool) -> int:
     """Bytes per token an RMSNorm (`LlamaRMSNorm`) saves: its input in fp32 (a copy unless the input already is fp32
-    and counted elsewhere), the rsqrt of each normalised vector, and, when its weight trains, the normalised tensor in
+    and counted elsewhere), the rsqrt of each normalized vector, and, when its weight trains, the normalized tensor in
     the activation dtype (saved by `weight * h`)."""
     fp32_input = 0 if (a == FP32 and input_is_fp32_saved_elsewhere) else FP32 * width
     return fp32_input + FP32 * vectors + (a * width if trainable else 0)
@@ -400,7 +400,7 @@ def block_bytes(arch: Architecture, layer: int, a: int, kv_tokens: int, masked: 
 
     - norm 1 (see `_norm_saved`; with a=4 its fp32 input is the block input, kept by the checkpoint);
     - q, k, v projections: their input once (trainable base) or LoRA's per-layer terms;
-    - q / k RMSNorm per head (SDAR, LLaDA2): each saves its fp32 input and rsqrt (and its normalised tensor when it
+    - q / k RMSNorm per head (SDAR, LLaDA2): each saves its fp32 input and rsqrt (and its normalized tensor when it
       trains); RoPE saves only cos and sin (shared by the blocks, counted once per pass);
     - SDPA (q, k, v after RoPE, the output, the log-sum-exp per head; with a mask the float copy of it that SDPA makes
       from transformers' boolean mask; k and v repeated to the query heads when grouped-query attention runs with a
@@ -488,9 +488,9 @@ def graph_bytes(
     arch: Architecture, fwd: Forward, a: int, checkpointing: bool, lora: Lora | None, grad_dtype: int
 ) -> GraphBytes:
     """Bytes of one forward pass with gradients (see [`block_bytes`] for the blocks). Outside the blocks: the RoPE
-    tables (fp32 for LLaDA, the activation dtype otherwise), the boolean 4-D attention mask (materialised by
+    tables (fp32 for LLaDA, the activation dtype otherwise), the boolean 4-D attention mask (materialized by
     transformers' mask functions when there is padding or block-causality), the final norm (its fp32 input, and its
-    normalised tensor when it trains), the head's input (when the head trains: LoRA leaves it frozen), and the scored
+    normalized tensor when it trains), the head's input (when the head trains: LoRA leaves it frozen), and the scored
     logits in fp32. Transients: the head's logits over the kept positions in the activation dtype (alive in the
     forward until the scored rows are copied out, and again as the zero-filled gradient of that indexing in the
     backward), the family's extra fp32 copies, and the head weight's gradient (its size in the gradient dtype)."""
@@ -625,7 +625,7 @@ MODES = ("full", "LoRA", "QLoRA")
 # DeepSpeed's defaults, which accelerate's config (the package's zero2 / zero3 presets) leaves in place.
 DS_REDUCE_BUCKET = int(5e8)  # elements (`reduce_bucket_size`)
 DS_PREFETCH_BUCKET = int(5e7)  # elements (`stage3_prefetch_bucket_size`)
-# bitsandbytes NF4 with double quantisation (d1's `--use_bnb_nested_quant`): 4 bits per weight, an 8-bit absmax per
+# bitsandbytes NF4 with double quantization (d1's `--use_bnb_nested_quant`): 4 bits per weight, an 8-bit absmax per
 # block of 64, an fp32 absmax per 256 of those.
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
 ENGINE_NOTES = {
@@ -683,7 +683,7 @@ def static_bytes(arch: Architecture, setup: Setup) -> dict:
         if setup.mode == "LoRA":
             base = BF16 * total
         else:
-            base = NF4_BYTES_PER_WEIGHT * arch.quantisable + BF16 * (total - arch.quantisable)
+            base = NF4_BYTES_PER_WEIGHT * arch.quantizable + BF16 * (total - arch.quantizable)
     engine = setup.engine
     shard = n if engine in ("ZeRO-3", "FSDP2") else 1
     if engine == "FSDP2" and setup.mode != "QLoRA":
@@ -719,7 +719,7 @@ def static_bytes(arch: Architecture, setup: Setup) -> dict:
         "master": master,
         "gradients": gradients,
         "gradient_buffers": buffers,
-        "optimiser": moments,
+        "optimizer": moments,
         "gathered": gathered,
         "step_transient": step,
         "trainable": trainable,
@@ -932,7 +932,7 @@ def rollout_forward(arch: Architecture, recipe: Recipe) -> Forward:
 
 def plan_cell(arch: Architecture, recipe: Recipe, setup: Setup, checkpointing: bool = True) -> dict:
     """Per-GPU bytes of one (model, recipe, engine, mode): the static terms, the activation peak of the training
-    step (with the engine's gathered parameters and QLoRA's dequantised weight beside it), the rollout's peak, and
+    step (with the engine's gathered parameters and QLoRA's dequantized weight beside it), the rollout's peak, and
     the GPU's peak (the larger)."""
     refusal = recipe.refused.get((setup.engine, setup.mode))
     if arch.block_causal and recipe.family in BLOCK_CAUSAL_REFUSED:
@@ -947,21 +947,21 @@ def plan_cell(arch: Architecture, recipe: Recipe, setup: Setup, checkpointing: b
     activations = step_activation_peak(
         arch, pieces, BF16, checkpointing, lora, static["gradient_dtype"], static["gradient_buffer"]
     )
-    dequantised = BF16 * arch.largest_linear if setup.mode == "QLoRA" else 0
+    dequantized = BF16 * arch.largest_linear if setup.mode == "QLoRA" else 0
     ema = BF16 * arch.parameters if (recipe.ema_copy and setup.mode == "full") else 0
-    held = static["weights"] + static["master"] + static["optimiser"] + static["gradient_buffers"] + ema
-    train = held + static["gradients"] + static["gathered"] + activations["peak"] + dequantised
+    held = static["weights"] + static["master"] + static["optimizer"] + static["gradient_buffers"] + ema
+    train = held + static["gradients"] + static["gathered"] + activations["peak"] + dequantized
     step = held + static["gradients"] + static["step_transient"]
     rollout_gathered = static["whole_model"] if setup.engine == "ZeRO-3" else static["gathered"]
-    rollout = held + rollout_gathered + no_grad_forward_bytes(arch, rollout_forward(arch, recipe), BF16) + dequantised
+    rollout = held + rollout_gathered + no_grad_forward_bytes(arch, rollout_forward(arch, recipe), BF16) + dequantized
     peak = max(train, step, rollout)
     return {
-        **{key: static[key] for key in ("weights", "master", "gradients", "gradient_buffers", "optimiser")},
+        **{key: static[key] for key in ("weights", "master", "gradients", "gradient_buffers", "optimizer")},
         "gathered": static["gathered"],
         "ema_copy": ema,
         "activations": activations["peak"],
         "activation_phase": activations["phase"],
-        "dequantised": dequantised,
+        "dequantized": dequantized,
         "train_peak": train,
         "step_peak": step,
         "rollout_peak": rollout,
@@ -1010,8 +1010,8 @@ CHECK_POINTS = [
     ("diffu_grpo", {}),
     ("lfpo", {"lfpo_num_states": 4}),
 ]
-MICRO_BATCHES = 2  # gradient accumulation steps per optimiser step: the gradients are held through a micro-batch
-OPTIMISER_STEPS = 2  # the second runs with AdamW's state allocated
+MICRO_BATCHES = 2  # gradient accumulation steps per optimizer step: the gradients are held through a micro-batch
+OPTIMIZER_STEPS = 2  # the second runs with AdamW's state allocated
 
 
 def check_pieces(trainer, name: str, batch: dict) -> tuple[list[Piece], dict]:
@@ -1057,22 +1057,22 @@ def check_pieces(trainer, name: str, batch: dict) -> tuple[list[Piece], dict]:
 
 def predicted_cpu_peak(arch: Architecture, pieces: list[Piece], dtype_bytes: int) -> dict:
     """The formula for the check's setting: one process, no engine, weights of `dtype_bytes` already resident (the
-    baseline), gradients and AdamW's two moments in the weights' dtype (held through the second optimiser step's
+    baseline), gradients and AdamW's two moments in the weights' dtype (held through the second optimizer step's
     micro-batches), activations with checkpointing on in the weights' dtype (no autocast on the CPU)."""
     gradients = arch.parameters * dtype_bytes
-    optimiser = 2 * arch.parameters * dtype_bytes
+    optimizer = 2 * arch.parameters * dtype_bytes
     activations = step_activation_peak(arch, pieces, dtype_bytes, True, None, dtype_bytes, gradients)
     return {
         "gradients": gradients,
-        "optimiser": optimiser,
+        "optimizer": optimizer,
         "activations": activations["peak"],
         "activation_phase": activations["phase"],
-        "total": gradients + optimiser + activations["peak"],
+        "total": gradients + optimizer + activations["peak"],
     }
 
 
 def measure_check_point(job: dict) -> dict:
-    """Worker: `OPTIMISER_STEPS` optimiser steps of `MICRO_BATCHES` micro-batches each (`training_step`, then
+    """Worker: `OPTIMIZER_STEPS` optimizer steps of `MICRO_BATCHES` micro-batches each (`training_step`, then
     clipping, AdamW's step, `zero_grad`) of `job["trainer"]` on the saved rollout batch, checkpointing on as
     `Trainer.train` enables it, glibc's mmap threshold pinned; the process peak above the memory held before, and the
     formula's prediction from the batch's own masks."""
@@ -1105,7 +1105,7 @@ def measure_check_point(job: dict) -> dict:
     trainer.model.zero_grad()
     optimizer = trainer.create_optimizer()
     with PeakMemory("cpu") as process:
-        for _ in range(OPTIMISER_STEPS):
+        for _ in range(OPTIMIZER_STEPS):
             for _ in range(MICRO_BATCHES):
                 trainer.training_step(trainer.model, batch)
             trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
@@ -1117,7 +1117,7 @@ def measure_check_point(job: dict) -> dict:
         "overrides": overrides,
         "dtype": job["dtype"],
         "measured_bytes": process.peak_bytes,
-        "optimiser_state_bytes": optimiser_state_bytes(optimizer),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "gradient_dtype_bytes": dtype_bytes,
         "parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "info": info,
@@ -1368,7 +1368,7 @@ def plan_tables(plan: list[dict], archs: dict[str, Architecture]) -> dict[str, s
                         gib(static["weights"]),
                         gib(static["master"]),
                         gib(static["gradients"] + static["gradient_buffers"]),
-                        gib(static["optimiser"]),
+                        gib(static["optimizer"]),
                         gib(static["gathered"]),
                         gib(rollout),
                     ]
@@ -1503,13 +1503,13 @@ def plot(plan: list[dict], checks: list[dict], archs: dict[str, Architecture], p
         axis.legend()
     axis.set_xlabel("measured process peak (MiB, CPU)")
     axis.set_ylabel("predicted (MiB)")
-    axis.set_title("CPU check: two optimiser steps of two micro-batches")
+    axis.set_title("CPU check: two optimizer steps of two micro-batches")
 
     axis = axes[1]
     terms = [
         ("weights", "weights"),
         ("master", "fp32 master"),
-        ("optimiser", "AdamW moments"),
+        ("optimizer", "AdamW moments"),
         ("gradients", "gradients"),
         ("gathered", "gathered"),
         ("ema_copy", "EMA copy"),
@@ -1591,7 +1591,7 @@ def main(argv=None) -> dict:
             "tolerance": TOLERANCE,
             "passed": passed if checks else None,
             "micro_batches": MICRO_BATCHES,
-            "optimiser_steps": OPTIMISER_STEPS,
+            "optimizer_steps": OPTIMIZER_STEPS,
         },
         "structure": {"blocks": structure, "passed": exact if structure else None},
         "table": tables["peaks"],

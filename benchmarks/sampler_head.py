@@ -9,7 +9,7 @@ For each cache mode (`none`, `prefix`, `dual`), greedy decoding of left-padded t
 `largest_digit` with LLaDA's fixed schedule (`diffusion_steps = L / 2`). Rounds alternate the two heads over all the
 modes, so that a change of load hits them alike; the median per setting is reported, with the ratio
 `whole canvas / used positions`. Seconds are process CPU time with one torch thread on the CPU (wall time,
-synchronised, on a GPU; see `_common.clock`); the model has random weights (the head's cost does not depend on them).
+synchronized, on a GPU; see `_common.clock`); the model has random weights (the head's cost does not depend on them).
 
     python benchmarks/sampler_head.py                  # CPU: d_model 128, 4 layers, vocabulary 32000 (~2 min)
     python benchmarks/sampler_head.py --device cuda    # one GPU: ~318M parameters, vocabulary 32000

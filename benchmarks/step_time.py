@@ -1,17 +1,17 @@
-"""Time per optimiser step, split into generation, scoring and update, for every trainer at its default settings.
+"""Time per optimizer step, split into generation, scoring and update, for every trainer at its default settings.
 
 Each trainer trains on procedural Countdown prompts (no download) from a locally built LLaDA with random weights, at
 its own defaults (DiffuGRPO: mean-field, beta 0.04; VRPO: n_t 4; BGPO: n_t 16; ESPO: 2 coupled pairs, mu 8,
 beta 1e-3; LFPO: K 8 states in blocks of 8; TRL's gradient checkpointing on), with only the sizes scaled to the
-machine. Phases, timed by wrapping the trainer's methods and by a callback around each optimiser step:
+machine. Phases, timed by wrapping the trainer's methods and by a callback around each optimizer step:
 
 - generation: `_generate_single_turn`, the denoising sampler;
 - scoring: the rest of `_generate_and_score_completions`: rewards, advantages, old / reference terms
   (`_score_rollouts`) and LFPO's EMA update of its old policy;
-- update: the rest of the optimiser step: forward and backward passes, clipping and the optimiser step.
+- update: the rest of the optimizer step: forward and backward passes, clipping and the optimizer step.
 
-A rollout serves `num_iterations` optimiser steps (ESPO: 8), so each trainer is timed over whole generation cycles
-after one warm-up step, and its figures are means per optimiser step. Each trainer runs in a fresh process, in rounds
+A rollout serves `num_iterations` optimizer steps (ESPO: 8), so each trainer is timed over whole generation cycles
+after one warm-up step, and its figures are means per optimizer step. Each trainer runs in a fresh process, in rounds
 that run every trainer in turn (2 on the CPU), all in one invocation, so that ratios (BGPO at n_t 16 against VRPO at
 n_t 4) come from the same conditions; each round's means are kept in the JSON. Seconds are wall time on a GPU and
 process CPU time on the CPU (one torch thread: the work done, which other processes' load on a shared machine
@@ -88,7 +88,7 @@ SETTINGS = {
 class Preset:
     model: str
     rollout: RolloutSize
-    steps: int  # measured optimiser steps per round (rounded up to whole generation cycles)
+    steps: int  # measured optimizer steps per round (rounded up to whole generation cycles)
     rounds: int  # each round runs every trainer once, in turn
 
 
@@ -100,7 +100,7 @@ PRESETS = {
 
 
 class PhaseTimer(TrainerCallback):
-    """Times generation and `_generate_and_score_completions` inside each optimiser step (`on_step_begin` to
+    """Times generation and `_generate_and_score_completions` inside each optimizer step (`on_step_begin` to
     `on_step_end`) with [`_common.clock`]; wraps the two methods on the trainer instance."""
 
     def __init__(self, trainer, device: str):
@@ -171,7 +171,7 @@ def time_trainer(job: dict) -> dict:
 
 
 def measure_update_memory(job: dict) -> dict:
-    """Worker: the memory of one update of `job["trainer"]` (`training_step`, forward and backward, no optimiser
+    """Worker: the memory of one update of `job["trainer"]` (`training_step`, forward and backward, no optimizer
     step) on one rollout batch it generates first, with advantages +1 / -1: peak process memory above the step's
     start and peak bytes saved for backward (with gradient checkpointing, only what the checkpointed blocks keep)."""
     set_threads(job["threads"])
@@ -255,7 +255,7 @@ def plot(results: list[dict], subtitle: str | None, device: str, path: Path) -> 
     for tick, result in zip(axis.get_xticklabels(), results):
         tick.set_color(COLORS[result["trainer"]])
     unit = "CPU seconds" if device == "cpu" else "seconds"
-    axis.set_ylabel(f"{unit} per optimiser step (mean)")
+    axis.set_ylabel(f"{unit} per optimizer step (mean)")
     axis.set_ylim(0, max(bottom) * 1.15)
     title = "Time per training step by phase, each trainer at its defaults"
     if subtitle:
@@ -286,7 +286,7 @@ def describe(settings: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = benchmark_parser(__doc__.split("\n\n")[0], "step_time")
     parser.add_argument("--trainers", nargs="+", choices=tuple(TRAINERS), default=list(TRAINERS), help="Trainers.")
-    parser.add_argument("--steps", type=int, help="Measured optimiser steps per round (default: the preset's).")
+    parser.add_argument("--steps", type=int, help="Measured optimizer steps per round (default: the preset's).")
     parser.add_argument(
         "--rounds", type=int, help="Rounds, each running every trainer in turn (default: the preset's, 2 on CPU)."
     )
@@ -421,7 +421,7 @@ def main(argv=None) -> dict:
     for ratio in ratios:
         print(
             f"BGPO (n_t {ratio['bgpo_num_mc_samples']}, k {ratio['mc_samples_per_backward']}) / VRPO (n_t "
-            f"{ratio['vrpo_num_mc_samples']}): x{ratio['total']:.2f} per optimiser step, x{ratio['update']:.2f} in "
+            f"{ratio['vrpo_num_mc_samples']}): x{ratio['total']:.2f} per optimizer step, x{ratio['update']:.2f} in "
             "the update phase (rounds: "
             + ", ".join(f"x{r['total']:.2f} / x{r['update']:.2f}" for r in ratio["rounds"])
             + ")"
@@ -445,7 +445,7 @@ def main(argv=None) -> dict:
             "generation": "_generate_single_turn (the denoising sampler)",
             "scoring": "_generate_and_score_completions minus generation: rewards, advantages, old/reference terms, "
             "LFPO's EMA update",
-            "update": "the rest of the optimiser step: forward, backward, clipping, optimiser step",
+            "update": "the rest of the optimizer step: forward, backward, clipping, optimizer step",
         },
         "results": results,
         # One BGPO run: its ratio (None without BGPO or VRPO); with --samples-per-backward, one per K.

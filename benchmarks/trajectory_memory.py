@@ -5,7 +5,7 @@ decoded in more steps has more transitions to score. The loss is back-propagated
 at a time, so the memory of a step should not grow with the number of denoising steps. Swept: `diffusion_steps`
 16, 32, 64, 128 on a 128-token canvas in 4 blocks of 32. Each point, in a fresh process, decodes one rollout batch
 with the trainer's own sampler (a random-weight LLaDA: not confident, high-entropy predictions), then runs two
-optimiser steps as `Trainer.train` runs them (`training_step`, clipping, the optimiser's step) with activation
+optimizer steps as `Trainer.train` runs them (`training_step`, clipping, the optimizer's step) with activation
 checkpointing as `Trainer.train` enables it, and records, as `benchmarks/memory.py` does, the peak bytes of tensors
 saved for backward (`SavedTensorsMeter`: exact; with checkpointing, only what is saved outside the checkpointed
 blocks), the peak process memory above the memory held before the steps (CPU: the resident set's high-water mark at
@@ -79,7 +79,7 @@ PRESETS = {
 
 
 def measure_point(job: dict) -> dict:
-    """Worker: a rollout batch and `STEPS` optimiser steps of `job["trainer"]` at `job["steps"]` denoising steps."""
+    """Worker: a rollout batch and `STEPS` optimizer steps of `job["trainer"]` at `job["steps"]` denoising steps."""
     set_threads(job["threads"])
     name, steps, device = job["trainer"], job["steps"], job["device"]
     rollout = RolloutSize(**{**job["rollout"], "diffusion_steps": steps})
@@ -215,7 +215,7 @@ def main(argv=None) -> dict:
             "rollout": asdict(preset.rollout),
             "points": list(preset.points),
             "gradient_checkpointing": checkpointing,
-            "optimiser_steps": STEPS,
+            "optimizer_steps": STEPS,
             "overrides": OVERRIDES,
             "clock": CLOCK_NAMES[device],
         },

@@ -68,7 +68,7 @@ RECIPE = {
     "epsilon": 0.2,
     "beta": 0.0,
     "scale_rewards": "none",
-    # optimisation
+    # optimization
     "learning_rate": 5e-6,
     "lr_scheduler_type": "cosine",
     "warmup_steps": 0.01,  # below 1: a ratio of the total steps (AGRPO's 1% warm-up)
@@ -105,7 +105,7 @@ EGSPO = {
     "beta": 0.04,
     "kl_target": "reference",
     "use_bias_correction_kl": False,  # a k3 KL on step log-probs, not multiplied by a token ratio
-    # optimisation
+    # optimization
     "learning_rate": 3e-5,
     "lr_scheduler_type": "constant",
     "warmup_steps": 0,

@@ -1,6 +1,6 @@
 r"""BGPO on Countdown with LLaDA-8B-Instruct: the BGPO paper's planning recipe (Lin et al. 2025, arXiv 2510.11683).
 
-Full fine-tuning on 8 GPUs, one optimiser step per rollout batch of 16 prompts x 8 completions (on-policy), 16 Monte
+Full fine-tuning on 8 GPUs, one optimizer step per rollout batch of 16 prompts x 8 completions (on-policy), 16 Monte
 Carlo samples of the ELBO per completion, each with its own forward and backward. Sources: the paper's Table 4
 (n_t, batch, group size, learning rate, lengths, diffusion steps), the BGPO README (560 steps for Countdown) and
 DARE's BGPO script (rollout temperature 0.6, weight decay 0.01, no KL, `elbo_region="answer"`); see
@@ -14,7 +14,7 @@ Launch (8 GPUs; the paper's VeRL runs shard with FSDP, ZeRO-3 also works):
     accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/bgpo_countdown.py
 
 Every field of `trl-diffusion bgpo --help` is a flag here too. One GPU with LoRA on a 4-bit base (no longer the
-paper's full fine-tuning; 2 x 64 = 128 completions per optimiser step, as on 8 GPUs):
+paper's full fine-tuning; 2 x 64 = 128 completions per optimizer step, as on 8 GPUs):
 
     python examples/bgpo_countdown.py --use_peft --lora_r 128 --lora_alpha 64 --load_in_4bit \
         --gradient_accumulation_steps 64
@@ -42,7 +42,7 @@ RECIPE = {
     "elbo_region": "answer",
     "beta": 0.0,
     "num_iterations": 1,
-    # optimisation: full fine-tuning, bf16, no gradient checkpointing (as the paper)
+    # optimization: full fine-tuning, bf16, no gradient checkpointing (as the paper)
     "learning_rate": 5e-7,
     "weight_decay": 0.01,
     "max_steps": 560,

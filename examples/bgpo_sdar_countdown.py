@@ -42,7 +42,7 @@ RECIPE = {
     "elbo_region": "answer",
     "beta": 0.0,
     "num_iterations": 1,
-    # optimisation: full fine-tuning, bf16
+    # optimization: full fine-tuning, bf16
     "learning_rate": 5e-7,
     "max_steps": 560,
     "bf16": True,

@@ -2,7 +2,7 @@ r"""CJ-GRPO on Sudoku with LLaDA-8B-Instruct: CJ-GRPO's EOSER + ASS recipe witho
 2509.23924; code yjyddq/EOSER-ASS-RL).
 
 LoRA r=128, alpha=64 on a bf16 base (the attention and MLP projections); 6 completions per device x 2 accumulation
-steps x 8 GPUs = 96 completions = 16 prompts x 6 per optimiser step, each rollout batch reused for mu = 8 inner
+steps x 8 GPUs = 96 completions = 16 prompts x 6 per optimizer step, each rollout batch reused for mu = 8 inner
 iterations (12 for the math tasks, 8 for Countdown and Sudoku). The rollouts decode the 256-token canvas as a single
 block in 8 steps with the ascending step-size schedule (ASS: step i commits 2^i tokens, 1, 2, 4, ..., 64, and the
 last step the remaining 129) and EOS early rejection (EOSER: the confidence of terminator proposals multiplied by
@@ -59,7 +59,7 @@ RECIPE = {
     "beta": 0.04,
     "kl_target": "reference",
     "scale_rewards": "none",
-    # optimisation
+    # optimization
     "learning_rate": 3e-6,
     "lr_scheduler_type": "constant",
     "max_steps": 3000,

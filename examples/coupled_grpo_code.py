@@ -1,7 +1,7 @@
 r"""coupled-GRPO on Python code with DiffuCoder-7B-Instruct: DiffuCoder's recipe (Gong et al. 2025, arXiv 2506.20639).
 
 Full fine-tuning (no PEFT) on 8 GPUs; 5 completions per device x 2 accumulation steps x 8 GPUs = 80 completions = 8
-prompts x 10 per optimiser step, each rollout batch reused for mu = 2 inner iterations; the per-token score from the
+prompts x 10 per optimizer step, each rollout batch reused for mu = 2 inner iterations; the per-token score from the
 fully masked view and one complementary pair with t ~ U(0.2, 0.8) (CoupledGRPOConfig's defaults); the token-level PPO
 clip at epsilon 0.5, k3 KL with beta 0.01 to a reference synced toward the policy every 64 steps (TRL's
 `sync_ref_model`, mix-up alpha 0.6); leave-one-out advantages without std scaling; rollouts of 256 tokens in 256
@@ -46,6 +46,7 @@ RECIPE = {
     "diffusion_steps": 256,
     "remasking": "entropy",
     "temperature": 1.0,
+    "top_p": 0.95,
     # estimator and objective (DiffuCoder's defaults of CoupledGRPOConfig, spelled out)
     "coupled_full_view": True,
     "coupled_t_range": [0.2, 0.8],
@@ -58,7 +59,7 @@ RECIPE = {
     "sync_ref_model": True,
     "ref_model_sync_steps": 64,
     "ref_model_mixup_alpha": 0.6,
-    # optimisation
+    # optimization
     "learning_rate": 1e-6,
     "lr_scheduler_type": "cosine_with_min_lr",
     "lr_scheduler_kwargs": {"min_lr_rate": 0.1},

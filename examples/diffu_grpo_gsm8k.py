@@ -1,10 +1,10 @@
 r"""diffu-GRPO on GSM8K with LLaDA-8B-Instruct: d1's recipe (Zhao et al. 2025, arXiv 2504.12216).
 
-QLoRA: a 4-bit NF4 base (double quantisation, bf16 compute) with LoRA r=128, alpha=64, dropout 0.05 on the attention
+QLoRA: a 4-bit NF4 base (double quantization, bf16 compute) with LoRA r=128, alpha=64, dropout 0.05 on the attention
 and MLP projections; 8 GPUs with DeepSpeed ZeRO-2; 6 completions per device x 2 accumulation steps x 8 GPUs = 96
-completions = 16 prompts x 6 per optimiser step, each rollout batch reused for mu = 12 inner iterations. The numbers
+completions = 16 prompts x 6 per optimizer step, each rollout batch reused for mu = 12 inner iterations. The numbers
 are d1's `diffu-grpo/slurm_scripts/train.yaml`, `diffu_grpo_train.py` and `accelerate.yaml` (commit 837888f); d1's
-runs were configured for 10 epochs and stopped by hand at about 7,700 optimiser steps on GSM8K (d1 issues #11, #25),
+runs were configured for 10 epochs and stopped by hand at about 7,700 optimizer steps on GSM8K (d1 issues #11, #25),
 hence `max_steps`. See docs/trainers/diffu_grpo.md. The 4-bit base needs bitsandbytes
 (`pip install "trl_diffusion[quantization]"`).
 
@@ -51,7 +51,7 @@ RECIPE = {
     "epsilon": 0.5,
     "loss_type": "bnpo",
     "scale_rewards": "none",
-    # optimisation
+    # optimization
     "learning_rate": 3e-6,
     "lr_scheduler_type": "constant_with_warmup",
     "warmup_steps": 1e-4,  # below 1: a ratio of the total steps (d1's warmup_ratio)

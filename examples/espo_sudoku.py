@@ -2,7 +2,7 @@ r"""ESPO on Sudoku with LLaDA-8B-Instruct: ESPO's planning recipe (Ou et al. 202
 
 LoRA r=128, alpha=64, dropout 0.05 on a bf16 base (no 4-bit); 8 GPUs with DeepSpeed ZeRO-2; 3 completions per device
 x 4 accumulation steps x 8 GPUs = 96 completions = 16 prompts x 6 per rollout, reused for mu = 8 inner iterations;
-the coupled ELBO with 2 antithetic pairs; the sequence ratio normalised by the canvas length L = 256, clipped at
+the coupled ELBO with 2 antithetic pairs; the sequence ratio normalized by the canvas length L = 256, clipped at
 epsilon 0.2; k2 KL with beta 1e-2 (Sudoku); leave-one-out advantages; rollout temperature 1.0, L/2 = 128 diffusion
 steps (2 tokens per step) in blocks of 32. Sources: ESPO's `recipes/train.yaml` and run scripts, as read in
 `shared/research/anchors-trl-dllm-rl.md` section 3.4. The task is 4x4 Sudoku with d1's 256-token answers (the
@@ -51,7 +51,7 @@ RECIPE = {
     "kl_estimator": "k2",
     "leave_one_out": True,
     "scale_rewards": "none",
-    # optimisation
+    # optimization
     "learning_rate": 3e-6,
     "lr_scheduler_type": "constant_with_warmup",
     "warmup_steps": 1e-3,  # below 1: a ratio of the total steps (ESPO's warmup_ratio)

@@ -1,16 +1,16 @@
 r"""JustGRPO on GSM8K with LLaDA-8B-Instruct: the recipe of "The Flexibility Trap" (Ni et al. 2026, arXiv 2601.15165).
 
 Full-parameter training on 8 GPUs; rollouts decoded left to right (one position per step, temperature 1.0), 16
-completions per prompt, 64 prompts per optimiser step (8 completions per device x 16 accumulation steps x 8 GPUs =
+completions per prompt, 64 prompts per optimizer step (8 completions per device x 16 accumulation steps x 8 GPUs =
 1024 completions), one update per rollout batch (on-policy, so the 0.2 clip is inert), no KL; AdamW at 5e-6,
 weight decay 0, gradient clip 1.0, 125 steps. The numbers are those of the public code (`LeapLabTHU/JustGRPO`
 `train.py`, `grpo.py`, read in shared/research/algorithms-wave2.md section 6); see docs/trainers/just_grpo.md for
-what differs (the answer only is scored, TRL's `dr_grpo` normaliser). Each micro-batch scores its 256 positions one
+what differs (the answer only is scored, TRL's `dr_grpo` normalizer). Each micro-batch scores its 256 positions one
 at a time (`just_grpo_positions_per_forward=1`, as the public code; raise it if memory allows: fewer, larger passes).
 Evaluation keeps the ordinary parallel sampler, as in the paper: `eval/gsm8k/accuracy` every 25 steps, greedy,
 block 32, as many diffusion steps as tokens.
 
-Launch (8 GPUs, ZeRO-3 shards the full-parameter optimiser state):
+Launch (8 GPUs, ZeRO-3 shards the full-parameter optimizer state):
 
     TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
     accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/just_grpo_gsm8k.py
@@ -41,7 +41,7 @@ RECIPE = {
     "scale_rewards": "group",
     "loss_type": "dr_grpo",
     "just_grpo_positions_per_forward": 1,
-    # optimisation: full fine-tuning
+    # optimization: full fine-tuning
     "learning_rate": 5e-6,
     "adam_beta1": 0.9,
     "adam_beta2": 0.999,

@@ -46,7 +46,7 @@ RECIPE = {
     "adv_clip_max": 5.0,
     "ema_alpha_rate": 1e-3,
     "ema_alpha_max": 0.5,
-    # optimisation
+    # optimization
     "learning_rate": 1e-6,
     "weight_decay": 0.01,
     "warmup_ratio": 0.1,

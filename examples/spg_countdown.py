@@ -1,7 +1,7 @@
 r"""SPG on Countdown with LLaDA-8B-Instruct: SPG's recipe without SFT (Wang et al. 2025, arXiv 2510.09541).
 
 QLoRA: a 4-bit NF4 base (bf16 compute) with LoRA r=128, alpha=64 on the attention and MLP projections; 8 GPUs;
-6 completions per device x 2 accumulation steps x 8 GPUs = 96 completions = 16 prompts x 6 per optimiser step, each
+6 completions per device x 2 accumulation steps x 8 GPUs = 96 completions = 16 prompts x 6 per optimizer step, each
 rollout batch reused for mu = 4 inner iterations without an importance ratio (SPG's REINFORCE). The objective has no
 ratio, no KL and no reference model: per answer token, the ELBO for A >= 0 and the mixture 0.5 * EUBO + 0.5 * ELBO
 (EUBO order beta = 1.5) for A < 0, both from 2 block-wise views (one block of 32 scored, earlier blocks clean, later
@@ -51,7 +51,7 @@ RECIPE = {
     "eubo_beta": 1.5,
     "eubo_mix_weight": 0.5,
     "scale_rewards": "none",
-    # optimisation
+    # optimization
     "learning_rate": 3e-6,
     "lr_scheduler_type": "constant",
     "weight_decay": 0.1,

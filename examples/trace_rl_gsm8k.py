@@ -1,7 +1,7 @@
 r"""TraceRL on GSM8K with LLaDA-8B-Instruct: TraceRL's full-attention recipe (Wang et al. 2025, arXiv 2509.06949;
 code Gen-Verse/dLLM-RL).
 
-Full-parameter training; 32 prompts x 8 completions per optimiser step (4 per device x 8 accumulation steps x 8 GPUs
+Full-parameter training; 32 prompts x 8 completions per optimizer step (4 per device x 8 accumulation steps x 8 GPUs
 = 256 completions: our split, TraceRL accumulates over its own loop of rows), rollouts at temperature 0.8 over a 512-token canvas in blocks of 32, one step per token (512
 steps). Each completion's trajectory is cut into transitions of `transition_grouping=8` consecutive denoising steps,
 each scored on the canvas before its first step; token-level PPO (epsilon 0.2), mean over a transition's tokens, then
@@ -19,7 +19,7 @@ steps with threshold 0.9 at temperature 1.0, 64 prompts x 16 completions (8 per 
 GPUs), a 2000-token canvas (TraceRL's maximum length), every step its own transition (`transition_grouping=1`) and each
 transition's token sum divided by the response length (`transition_reduction="response"`).
 
-Launch (8 GPUs, ZeRO-3 shards the full-parameter optimiser state):
+Launch (8 GPUs, ZeRO-3 shards the full-parameter optimizer state):
 
     TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
     accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/trace_rl_gsm8k.py
@@ -57,7 +57,7 @@ RECIPE = {
     "beta": 0.01,
     "kl_target": "old",
     "pass_rate_range": [0.2, 0.8],
-    # optimisation: full fine-tuning
+    # optimization: full fine-tuning
     "learning_rate": 1e-6,
     "lr_scheduler_type": "constant",
     "adam_beta2": 0.999,

@@ -4,7 +4,7 @@ VRPO is LLaDA 1.5's variance-reduced ELBO estimator (Zhu et al. 2025, arXiv 2505
 timestep, masks shared between the policies); the BGPO paper runs it online in a GRPO loop as its baseline, with
 every setting equal to BGPO's except the Monte Carlo samples, as many as fit in memory: n_t = 4 for math (the paper
 reports about 37 GB at n_t = 4 and the 80 GB limit at n_t = 8, with 512-token responses). Full fine-tuning on 8 GPUs,
-one optimiser step per rollout batch of 16 prompts x 8 completions, 700 steps. Sources: the paper's section 4 and
+one optimizer step per rollout batch of 16 prompts x 8 completions, 700 steps. Sources: the paper's section 4 and
 Table 4, DARE's BGPO script (temperature 0.6, weight decay 0.01, no KL); see docs/trainers/vrpo.md.
 
 Launch (8 GPUs, full fine-tuning sharded with FSDP2 as the paper's VeRL runs, or ZeRO-3):
@@ -37,7 +37,7 @@ RECIPE = {
     "num_mc_samples": 4,
     "beta": 0.0,
     "num_iterations": 1,
-    # optimisation: full fine-tuning
+    # optimization: full fine-tuning
     "learning_rate": 5e-7,
     "weight_decay": 0.01,
     "max_steps": 700,

@@ -1,8 +1,8 @@
 r"""wd1 on Sudoku with LLaDA-8B-Instruct: wd1's recipe without SFT (Tang et al. 2025, arXiv 2507.08838).
 
-QLoRA: a 4-bit NF4 base (double quantisation, bf16 compute) with LoRA r=128, alpha=64, dropout 0.05 on the attention
+QLoRA: a 4-bit NF4 base (double quantization, bf16 compute) with LoRA r=128, alpha=64, dropout 0.05 on the attention
 and MLP projections; 4 GPUs with DeepSpeed ZeRO-2; 6 completions per device x 2 accumulation steps x 4 GPUs = 48
-completions = 8 prompts x 6 per optimiser step, each rollout batch reused for mu = 8 inner iterations (Sudoku's
+completions = 8 prompts x 6 per optimizer step, each rollout batch reused for mu = 8 inner iterations (Sudoku's
 `NUM_ITER`; 12 for GSM8K and MATH). The objective has no ratio, no KL and no reference model: weights
 softmax(+-A) over each group of 6 on the one-pass log-likelihood, A = r - mean(r). The numbers are wd1's
 `wd1/train.yaml`, `run/wll_NP_sudoku.sh` and `wd1/accelerate.yaml` (commit 08989851); see docs/trainers/wd1.md.
@@ -50,7 +50,7 @@ RECIPE = {
     "psi": 1.0,
     "p_mask_prompt": 0.15,
     "scale_rewards": "none",
-    # optimisation
+    # optimization
     "learning_rate": 3e-6,
     "lr_scheduler_type": "constant_with_warmup",
     "warmup_steps": 1e-4,  # below 1: a ratio of the total steps (wd1's warmup_ratio)

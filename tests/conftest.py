@@ -48,6 +48,36 @@ def context_llama(tiny_tokenizer):
     return model.eval().requires_grad_(False), context_prompt(tiny_tokenizer)
 
 
+# Session models that tests share read-only: a test that trains one in place changes every later test's model.
+SHARED_MODELS = ("tiny_llama", "tiny_llada", "tiny_dream", "context_llama")
+
+
+@pytest.fixture(autouse=True)
+def _shared_models_unchanged(request):
+    """Fails the test that changed the weights of a shared session model (train a copy instead)."""
+    shared = {name: request.getfixturevalue(name) for name in SHARED_MODELS if name in request.fixturenames}
+    models = {name: value[0] if isinstance(value, tuple) else value for name, value in shared.items()}
+    before = {
+        name: [(p.detach().clone(), p.requires_grad) for p in model.parameters()] for name, model in models.items()
+    }
+    patched = {name: patched_forwards(model) for name, model in models.items()}
+    yield
+    for name, model in models.items():
+        changed = any(
+            not torch.equal(p, q) or p.requires_grad != grad for p, (q, grad) in zip(model.parameters(), before[name])
+        )
+        assert not changed, f"the test changed the weights (or what trains) of the shared `{name}` fixture: use a copy"
+        assert patched_forwards(model) == patched[name], (
+            f"the test left a patched `forward` on the shared `{name}` fixture (a trainer patches the model it is "
+            "given and does not undo it)"
+        )
+
+
+def patched_forwards(model) -> list[str]:
+    """The modules of `model` whose `forward` is an instance attribute (a patch) instead of their class's."""
+    return [name for name, module in model.named_modules() if "forward" in module.__dict__]
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     """One torch thread per test; `TRL_DIFFUSION_TEST_THREADS=2` runs the suite with another reduction order (a result

@@ -1,4 +1,4 @@
-"""One BGPO (or wd1, JustGRPO, AGRPO) optimiser step on a tiny LLaDA, for the data-parallel checks of
+"""One BGPO (or wd1, JustGRPO, AGRPO) optimizer step on a tiny LLaDA, for the data-parallel checks of
 `tests/test_bgpo.py` (and `tests/test_wd1.py`, `tests/test_just_grpo.py`, `tests/test_trajectory.py`, with
 `--trainer wd1` / `just_grpo` / `agrpo`).
 
@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 # Prompts of different lengths, so that a process pads its prompts differently from the one-process batch.
-PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?", "name a colour", "ok", "spell cat", "add 10 and 25 now"]
+PROMPTS = ["hi", "say 7", "count to 12", "what is 3 + 4?", "name a color", "ok", "spell cat", "add 10 and 25 now"]
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds", "advantages")
 # Per trainer: its config and trainer classes (in `trl_diffusion.trainer`) and the rollout keys it adds.
 TRAINERS = {
@@ -56,7 +56,7 @@ def train_one_step(
     learning_rate: float = 0.1,
     trainer: str = "bgpo",
 ) -> dict:
-    """Trains BGPO (or `trainer`) for one optimiser step, with DDP across processes; returns this process's
+    """Trains BGPO (or `trainer`) for one optimizer step, with DDP across processes; returns this process's
     parameters (before, after), rollouts and logs."""
     from datasets import Dataset
     from transformers import AutoTokenizer

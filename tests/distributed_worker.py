@@ -3,7 +3,7 @@ or FSDP2 on CPU processes), or in one process, for `tests/test_distributed.py`.
 
 Launched as a user launches a preset, with the CPU overrides:
 
-    accelerate launch --config_file trl_diffusion/accelerate_configs/zero3.yaml --num_processes 2 \
+    accelerate launch --config_file $TRL_CONFIGS/zero3.yaml --num_processes 2 \
         --mixed_precision no --main_process_port 29600 tests/distributed_worker.py \
         --trainer bgpo --model-dir MODEL --output-dir OUT --per-device-train-batch-size 4 [--lora]
 
@@ -18,8 +18,8 @@ Two settings make the CPU processes run the engines they would run on GPUs (docs
 - FSDP2: accelerate never selects FSDP for CPU processes (MULTI_CPU); `shard_with_fsdp2_on_cpu` sets the state as
   accelerate sets it on GPUs, with the plugin accelerate builds from the launcher's environment.
 
-The optimiser is plain SGD at a constant learning rate without clipping, so the update is `-lr * gradient` and a
-wrong gradient scale shows in the parameters (`--optim adamw_torch` for the resume checks, whose optimiser state must
+The optimizer is plain SGD at a constant learning rate without clipping, so the update is `-lr * gradient` and a
+wrong gradient scale shows in the parameters (`--optim adamw_torch` for the resume checks, whose optimizer state must
 round-trip).
 """
 
@@ -47,8 +47,8 @@ SAMPLER = dict(block_length=8, diffusion_steps=8)
 FAMILIES = {
     "vrpo": ("VRPOConfig", "VRPOTrainer", {**SAMPLER, "num_mc_samples": 2}),
     "bgpo": ("BGPOConfig", "BGPOTrainer", {**SAMPLER, "num_mc_samples": 3}),
-    # d1's `bnpo` normalises by the tokens of each process's batch (TRL's definition): the update depends on the
-    # split into processes. `dapo` normalises by the global batch's tokens.
+    # d1's `bnpo` normalizes by the tokens of each process's batch (TRL's definition): the update depends on the
+    # split into processes. `dapo` normalizes by the global batch's tokens.
     "diffu_grpo": ("DiffuGRPOConfig", "DiffuGRPOTrainer", {**SAMPLER, "loss_type": "dapo"}),
     "trace_rl": ("TraceRLConfig", "TraceRLTrainer", {**SAMPLER, "pass_rate_range": None, "transition_grouping": 2}),
     # Groups of 2 (row, state) pairs: 4 pieces per micro-batch of 4 rows.
@@ -58,7 +58,7 @@ FAMILIES = {
     "sft": ("DiffusionSFTConfig", "DiffusionSFTTrainer", {}),
 }
 ROLLOUT_KEYS = ("prompt_ids", "completion_canvas", "advantages")
-# Collectives that reduce gradients (and, under DeepSpeed, the gradient norm inside the optimiser step).
+# Collectives that reduce gradients (and, under DeepSpeed, the gradient norm inside the optimizer step).
 REDUCTIONS = (
     "all_reduce",
     "all_reduce_coalesced",
@@ -243,7 +243,7 @@ def train(
     save_model_dir: str | None = None,
     **settings,
 ) -> dict:
-    """Trains `family` (2 optimiser steps unless `settings` say otherwise); returns this process's record."""
+    """Trains `family` (2 optimizer steps unless `settings` say otherwise); returns this process's record."""
     torch.set_num_threads(1)
     trainer = build_trainer(family, model_dir, output_dir, per_device_train_batch_size, **settings)
     rollouts = []
@@ -288,6 +288,7 @@ def main():
     parser.add_argument("--per-device-train-batch-size", type=int, required=True)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--max-steps", type=int, default=2)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     parser.add_argument("--optim", default="sgd")
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--save-steps", type=int, default=None, help="Save a checkpoint every that many steps.")
@@ -295,7 +296,11 @@ def main():
     parser.add_argument("--save-model-dir", default=None, help="`trainer.save_model` there after training.")
     parsed = parser.parse_args()
     settings = dict(
-        lora=parsed.lora, max_steps=parsed.max_steps, optim=parsed.optim, learning_rate=parsed.learning_rate
+        lora=parsed.lora,
+        max_steps=parsed.max_steps,
+        gradient_accumulation_steps=parsed.gradient_accumulation_steps,
+        optim=parsed.optim,
+        learning_rate=parsed.learning_rate,
     )
     if parsed.save_steps is not None:
         settings.update(save_strategy="steps", save_steps=parsed.save_steps)

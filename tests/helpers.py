@@ -32,7 +32,7 @@ CPU_RUN = dict(
     seed=0,
 )
 # Rollouts of a GRPO-family trainer: one prompt x 4 completions per micro-batch, an 8-token canvas in 2 blocks of 4
-# tokens, 4 denoising steps; two optimiser steps at a learning rate large enough to move a tiny model.
+# tokens, 4 denoising steps; two optimizer steps at a learning rate large enough to move a tiny model.
 TINY_ROLLOUTS = dict(
     per_device_train_batch_size=4,
     num_generations=4,
@@ -335,7 +335,7 @@ def launch_worker(
 
 
 def assert_same_update(runs: list[dict], reference: dict, label: str) -> None:
-    """Each run's optimiser step (`after - before` of every parameter, as `ddp_worker.train_one_step` returns them)
+    """Each run's optimizer step (`after - before` of every parameter, as `ddp_worker.train_one_step` returns them)
     equals the reference run's within 1e-5 of the largest update, and the step did move the parameters."""
     worst = largest = 0.0
     for run in runs:

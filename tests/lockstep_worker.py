@@ -1,12 +1,12 @@
-"""Synchronised denoising (`generate(..., synchronize=True)`) on processes whose rows finish at different steps, for
+"""Synchronized denoising (`generate(..., synchronize=True)`) on processes whose rows finish at different steps, for
 `tests/test_generation_lockstep.py`.
 
-Run under torchrun (gloo), each rank decodes its own prompts in every scenario twice, synchronised and alone, and saves
+Run under torchrun (gloo), each rank decodes its own prompts in every scenario twice, synchronized and alone, and saves
 `rank{r}.pt` in `--output-dir`:
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/lockstep_worker.py --output-dir OUT
 
-The synchronised model joins a collective at every forward: an all-reduce of its own, or, in the `fsdp2_` scenario,
+The synchronized model joins a collective at every forward: an all-reduce of its own, or, in the `fsdp2_` scenario,
 the all-gathers of the model sharded with torch's FSDP2. A process that made fewer model calls than another would
 leave that one waiting (until the process group's timeout) instead of finishing.
 """
@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 # first step: rank 0's rows end at once ("idle") or one of them does ("mixed"); rank 1's decode for many steps.
 PROMPTS = {
     "idle": (["hi!", "ok!"], ["tell me a story about cats", "what is 2+2?"]),
-    "mixed": (["hi!", "name three colours"], ["tell me a story about cats", "what is 2+2?", "count to 12"]),
+    "mixed": (["hi!", "name three colors"], ["tell me a story about cats", "what is 2+2?", "count to 12"]),
 }
 SCENARIOS = {
     "early_stop": ("idle", {"diffusion_steps": 16, "early_stop": True}),
@@ -115,9 +115,9 @@ def main():
         bang_ids = (tokenizer.convert_tokens_to_ids("!"), tokenizer.eos_token_id, prompt_length, prompt_length + 16)
         fsdp2 = name.startswith("fsdp2")
         counting = CountingModel(EndsOnBang(sharded if fsdp2 else base, *bang_ids), collective=not fsdp2)
-        synchronised = generate(counting, **prompts, generation_config=config, adapter=adapter, synchronize=True)
+        synchronized = generate(counting, **prompts, generation_config=config, adapter=adapter, synchronize=True)
         alone = generate(EndsOnBang(base, *bang_ids), **prompts, generation_config=config, adapter=adapter)
-        results[name] = {"synchronised": synchronised, "alone": alone, "calls": counting.calls}
+        results[name] = {"synchronized": synchronized, "alone": alone, "calls": counting.calls}
     torch.save(results, os.path.join(args.output_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

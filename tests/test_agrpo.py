@@ -385,7 +385,7 @@ def test_lookahead_advantages_honour_scale_rewards_and_leave_one_out(
             torch.testing.assert_close(actual[row, transition].double(), value, rtol=1e-5, atol=1e-6)
 
 
-def test_lookahead_refuses_normalising_each_reward_function(tmp_path):
+def test_lookahead_refuses_normalizing_each_reward_function(tmp_path):
     with pytest.raises(ValueError, match="multi_objective_aggregation='normalize_then_sum'"):
         tiny_grpo_config(
             AGRPOConfig,

@@ -62,10 +62,10 @@ def test_memory_smoke(tmp_path):
     for point in points:
         assert {"saved_peak_bytes", "process_peak_bytes", "process_baseline_bytes", "step_seconds"} <= point.keys()
         assert point["saved_peak_bytes"] > 0 and point["process_peak_bytes"] > 0
-        # Two optimiser steps per point, with checkpointing enabled as Trainer.train enables it (TRL's default) and
-        # the optimiser's state (AdamW: two moments per parameter) held during the second.
+        # Two optimizer steps per point, with checkpointing enabled as Trainer.train enables it (TRL's default) and
+        # the optimizer's state (AdamW: two moments per parameter) held during the second.
         assert point["gradient_checkpointing"] is True and len(point["step_seconds_all"]) == memory.STEPS == 2
-        assert point["optimiser_state_bytes"] >= 2 * 4 * payload["model"]["parameters"]
+        assert point["optimizer_state_bytes"] >= 2 * 4 * payload["model"]["parameters"]
     assert payload["glibc_mmap_threshold"] == "glibc default"
     for name, summary in payload["summary"].items():
         assert {"ratio_max_to_min", "slope", "intercept", "r2"} <= summary["saved_peak_bytes"].keys(), name
@@ -470,10 +470,10 @@ def test_memory_plan_help(capsys):
 
 def test_memory_plan_formula_on_a_hand_computed_block_and_engine():
     """One LLaDA block (d 128, 4 heads, SwiGLU 384) in fp32 with full fine-tuning and no mask, per token, counted by
-    hand from the block's forward: norm 1 saves its rsqrt (4) and normalised tensor (512; its fp32 input is the
+    hand from the block's forward: norm 1 saves its rsqrt (4) and normalized tensor (512; its fp32 input is the
     block's input, which the checkpoint keeps); q, k, v read one saved input (512); SDPA saves q, k, v (3 x 512), its
     output (512, also the output projection's input) and the log-sum-exp (4 heads x 4); norm 2 saves the residual
-    (512), its rsqrt (4) and normalised tensor (512); the MLP saves the norm's output (512), the gate, SiLU and up
+    (512), its rsqrt (4) and normalized tensor (512); the MLP saves the norm's output (512), the gate, SiLU and up
     outputs (3 x 1536) and their product (1536): 10,776 bytes. In bf16: 6,168 (the norms' fp32 copies, 2-byte
     activations). The LLaDA-8B ZeRO-3 terms: weights, master, gradients and moments shard over 8 GPUs."""
     size = memory_plan.ModelSize(d_model=128, n_layers=4, n_heads=4, mlp_hidden_size=384)
@@ -492,7 +492,7 @@ def test_memory_plan_formula_on_a_hand_computed_block_and_engine():
     assert static["weights"] == 2 * parameters / 8
     assert static["master"] == 4 * parameters / 8
     assert static["gradients"] == 2 * parameters / 8
-    assert static["optimiser"] == 8 * parameters / 8
+    assert static["optimizer"] == 8 * parameters / 8
     assert static["gradient_buffers"] == 2 * 500_000_000
     # LoRA r = 128 on LLaDA's seven projections: 32 blocks x 128 x (4 x (4096 + 4096) + 3 x (4096 + 12288))
     assert llada.lora_parameters(128) == 32 * 128 * (4 * 8192 + 3 * 16384)
@@ -519,5 +519,5 @@ def test_memory_plan_smoke(tmp_path):
     (point,) = payload["check"]["points"]
     assert point["trainer"] == "vrpo" and point["measured_bytes"] > 0 and point["predicted_bytes"] > 0
     # AdamW's two moments; its step counters (4 bytes per tensor) are the rest
-    assert point["optimiser_state_bytes"] == pytest.approx(point["predicted"]["optimiser"], rel=0.01)
+    assert point["optimizer_state_bytes"] == pytest.approx(point["predicted"]["optimizer"], rel=0.01)
     assert payload["structure"]["passed"] is True

@@ -2,7 +2,7 @@
 CPU autocast in bfloat16 around float32 weights) for the twelve RL trainers and SFT, and bfloat16 weights for three.
 
 Each RL case scores one rollout batch, the float32 trainer's, in both precisions (sampling in bf16 can pick other
-tokens), compares the bf16 loss and gradients with the float32 ones, then trains one bf16 optimiser step (rollouts
+tokens), compares the bf16 loss and gradients with the float32 ones, then trains one bf16 optimizer step (rollouts
 included): finite loss and gradient norm, every parameter moved. The batch is that of the second inner iteration
 (`num_iterations=2`), so the ratio objectives read the old-policy terms the float32 trainer stored at generation
 time (AGRPO: the sampler's), and both policies then get the same perturbation: their ratios differ from 1 and the
@@ -104,7 +104,7 @@ def relative_difference(actual: dict, expected: dict) -> float:
 
 
 def assert_trains_one_step(trainer) -> None:
-    """One optimiser step: finite loss and gradient norm logged, every trainable parameter moved."""
+    """One optimizer step: finite loss and gradient norm logged, every trainable parameter moved."""
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     # accelerate's `free_memory` at the start of `train` runs a full `gc.collect()` (0.5 to 1 s over the test
     # session's heap, most of the step's time): frozen, the heap is left out of it.

@@ -104,7 +104,7 @@ def last_metric(trainer, name):
 # ---------------------------------------------------------------------------------------------------- on-policy
 
 
-# Not multiples of a power of two over n_t = 3: A / n_t rounds, as TRL's normalised advantages do.
+# Not multiples of a power of two over n_t = 3: A / n_t rounds, as TRL's normalized advantages do.
 ADVANTAGES = {
     "positive": [0.7071, 0.3, 2.1, 0.1],
     "negative": [-0.7071, -0.3, -2.1, -0.1],
@@ -150,8 +150,8 @@ def test_on_policy_bgpo_equals_vrpo_and_is_reinforce_on_the_elbo(make_trainer, d
         ],
         dim=1,
     )
-    normaliser = COMPLETION_LENGTH if length_norm == "canvas" else 1.0
-    surrogate = (advantages[:, None] * terms).sum() / (num_mc_samples * normaliser * canvas.shape[0])
+    normalizer = COMPLETION_LENGTH if length_norm == "canvas" else 1.0
+    surrogate = (advantages[:, None] * terms).sum() / (num_mc_samples * normalizer * canvas.shape[0])
     (-surrogate).backward()
     assert_same_gradients(
         bgpo_grads,
@@ -351,7 +351,7 @@ def test_samples_per_backward_must_lie_between_one_and_num_mc_samples(samples_pe
 
 @pytest.fixture(scope="module")
 def one_process_step(tiny_llada_dir, tmp_path_factory):
-    """The reference: one process, one optimiser step over the global batch of 8 rows."""
+    """The reference: one process, one optimizer step over the global batch of 8 rows."""
     return load_ddp_worker().train_one_step(tiny_llada_dir, str(tmp_path_factory.mktemp("one-process")), 8)
 
 
@@ -367,7 +367,7 @@ def compare_runs(actual, expected, label):
 
 def test_gradient_accumulation_trains_like_one_large_batch(tiny_llada_dir, tmp_path, one_process_step):
     """End to end: per-device batch 4 with GA=2 (one rollout batch of 8, shuffled and split by TRL) takes the same
-    optimiser step as one micro-batch of 8."""
+    optimizer step as one micro-batch of 8."""
     accumulated = load_ddp_worker().train_one_step(tiny_llada_dir, str(tmp_path), 4, gradient_accumulation_steps=2)
     assert torch.equal(
         accumulated["rollouts"][0]["completion_canvas"], one_process_step["rollouts"][0]["completion_canvas"]

@@ -282,13 +282,6 @@ def test_eval_sampler_defaults_to_the_task_and_greedy(tmp_path):
     assert (sampler.max_completion_length, sampler.block_length) == (TASKS["sudoku"].max_completion_length, 8)
 
 
-def test_moved_names_still_import_from_cli_with_a_warning():
-    with pytest.warns(FutureWarning, match="moved to `trl_diffusion.scripts.train.run_recipe`"):
-        assert cli_module.run_recipe is run_recipe
-    with pytest.raises(AttributeError):
-        getattr(cli_module, "no_such_name")  # noqa: B009
-
-
 @pytest.mark.parametrize("model_type", ["llada", "Dream", "llama"])
 def test_lora_rules_by_model_family(model_type):
     from trl_diffusion.models.lora import LORA_RULES, lora_config_for
@@ -394,6 +387,23 @@ def test_presets_are_trls():
             cli_module.resolve_accelerate_config(name)
             == resolve_accelerate_config_argument(["--accelerate_config", name])[1]
         )
+
+
+def test_deepspeed_presets_get_the_trainings_gradient_accumulation(tiny_llada_dir, monkeypatch):
+    """TRL's `zero1` preset fixes DeepSpeed's `gradient_accumulation_steps: 1`, which transformers refuses against
+    any other Trainer value: the relaunch passes the training's value to `accelerate launch` (whose flag overrides
+    the file), and only for DeepSpeed configs that fix one."""
+    launches = []
+    monkeypatch.setattr(cli_module, "launch_with_accelerate", lambda *args: launches.append(args))
+    argv = ["bgpo", "--model_name_or_path", tiny_llada_dir, "--dataset_name", "countdown", "--num_processes", "2"]
+    for preset in ("zero1", "zero2", "multi_gpu"):
+        main([*argv, "--gradient_accumulation_steps", "4", "--accelerate_config", preset])
+    assert [launch[3] for launch in launches] == [
+        ["--gradient_accumulation_steps", "4", "--num_processes", "2"],
+        ["--num_processes", "2"],
+        ["--num_processes", "2"],
+    ]
+    assert all("--gradient_accumulation_steps" in launch[1] for launch in launches)  # the Trainer gets it too
 
 
 # ---------------------------------------------------------------------------------------------------- training

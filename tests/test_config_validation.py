@@ -140,7 +140,7 @@ EDGE_VALUES = {
     "max_grad_norm": None,  # no clipping
     "warmup_steps": 0.5,  # a fraction of the run
     "scale_rewards": False,  # TRL's boolean spelling of "none"
-    "entropy_coef": -0.01,  # entropy minimisation
+    "entropy_coef": -0.01,  # entropy minimization
     "num_generations": 2,
     "max_prompt_length": None,
     "max_consecutive_failed_reward_steps": None,

@@ -7,10 +7,12 @@ every numeric and choice field by `test_config_validation.py`.
 """
 
 import dataclasses
+import re
 
 import pytest
 from trl import GRPOConfig, SFTConfig, TrlParser
 
+from trl_diffusion.generation import DiffusionGenerationConfig
 from trl_diffusion.trainer import (
     AGRPOConfig,
     BGPOConfig,
@@ -29,6 +31,7 @@ from trl_diffusion.trainer import (
     VRPOConfig,
     WD1Config,
 )
+from trl_diffusion.trainer.base_config import SAMPLER_FIELDS
 
 from helpers import cli_args, cpu_argv
 
@@ -220,7 +223,7 @@ SPECS = {
             ema_alpha_rate=1e-3,
             ema_alpha_max=0.5,
             weight_decay=0.01,
-            warmup_steps=0.1,  # below 1: a fraction of the optimiser steps, the paper's warm-up ratio
+            warmup_steps=0.1,  # below 1: a fraction of the optimizer steps, the paper's warm-up ratio
             warmup_ratio=None,
             beta=0.0,
         ),
@@ -322,8 +325,6 @@ SPECS = {
             loss_type="nll",
         ),
         values={"max_completion_length": 256, "max_prompt_length": 128, "mask_token_id": 7, "max_length": 512},
-        # `completion_length` is the field's former name, still readable.
-        extra_parse=((), {"completion_length": 256}),
     ),
 }
 CONFIG_CLASSES = list(SPECS)
@@ -502,3 +503,20 @@ def test_a_bad_value_fails_the_command_line_naming_the_field(tmp_path):
         main([*argv, "--lookahead_return_weight", "nan"])
     with pytest.raises(ValueError, match=r"`num_iterations` must be an integer >= 1"):
         main([*argv, "--num_iterations", "0"])
+
+
+@pytest.mark.parametrize("config_class", [*CONFIG_CLASSES, DiffusionGenerationConfig], ids=lambda cls: cls.__name__)
+def test_the_docstring_names_every_field_the_class_declares(config_class):
+    """Each field a config declares (or re-declares with another default) is named in its docstring, and every
+    `name (`type`...)` parameter entry of the docstring is a field: a renamed or removed field leaves no stale entry.
+    The sampler fields of `DiffusionRLConfig` are documented once, in `DiffusionGenerationConfig`."""
+    field_names = {f.name for f in dataclasses.fields(config_class)}
+    declared = [name for name in vars(config_class).get("__annotations__", {}) if name in field_names]
+    doc = config_class.__doc__
+    undocumented = [
+        name for name in declared if f"`{name}" not in doc and f"{name} (`" not in doc and name not in SAMPLER_FIELDS
+    ]
+    assert undocumented == []
+    # Parameter entries: an indented name, its type in backticks, and a colon ending the line.
+    entries = set(re.findall(r"^\s+(\w+) \(`[^\n]*\):$", doc, re.MULTILINE))
+    assert entries - field_names == set()

@@ -10,7 +10,7 @@ view 2 otherwise) has, for t ~ U(a, b),
     E[w_i] = 1/(b - a) * int_a^b [g_i(t) + g_i(1 - t)] dt      (each view is one single-sample ELBO term of token i)
 
 which for the default (0.2, 0.8) is `2 * gbar_i`, `gbar_i = 1/0.6 * int_0.2^0.8 g_i(t) dt`, the per-token ELBO
-integral `int_0^1 g_i(t) dt` restricted to (0.2, 0.8) and renormalised. With the full view the score is
+integral `int_0^1 g_i(t) dt` restricted to (0.2, 0.8) and renormalized. With the full view the score is
 `s_i = (log p(y_i | all of R masked) + w_i) / 2`, so `E[s_i] = log p(y_i | R masked) / 2 + gbar_i`.
 
 The exact side: every view-1 mask M of R at the 8 Gauss-Legendre nodes of t on (a, b), each weighted

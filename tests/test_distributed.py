@@ -5,10 +5,11 @@ accelerate does not select FSDP on CPU processes, `distributed_worker.shard_with
 
 Every trainer family (`distributed_worker.FAMILIES`), with and without LoRA, gradient checkpointing on: two
 processes with 4 rows each train like one process with 8 (the same rollouts token for token, the parameters after 2
-plain-SGD optimiser steps within 1e-5 of the largest update). The piecewise trainers' gradient reductions per
+plain-SGD optimizer steps within 1e-5 of the largest update). The piecewise trainers' gradient reductions per
 micro-batch are counted and checked against what each engine allows. Checkpoints: a run saved at step 2 of 4 and
-resumed ends where the uninterrupted run ends (AdamW, so the sharded optimiser state must round-trip), and
+resumed ends where the uninterrupted run ends (AdamW, so the sharded optimizer state must round-trip), and
 `save_model` writes a checkpoint that `from_pretrained` loads. Multi-node: two "machines" of one process each.
+Gradient accumulation: BGPO with 2 micro-batches per process under every engine.
 
 The default suite runs the fast core (`FAST_CELLS`: BGPO under ZeRO-3 and under FSDP2, about 25 s a
 cell); the rest is marked `slow` and runs with `make test-distributed` (docs/scaling.md gives the matrix).
@@ -23,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_worker import FAMILIES
+
+from trl_diffusion.cli import deepspeed_launch_args
 
 from helpers import assert_same_update, free_port, launch_worker, worker_environment
 
@@ -72,7 +75,7 @@ def check_reductions(run: dict, engine: str, label: str) -> None:
     by_step = {}
     for step, reductions in run["reductions"]:
         by_step.setdefault(step, []).append(len(reductions))
-    print(f"{label}: reductions per backward pass, by optimiser step: {by_step}")
+    print(f"{label}: reductions per backward pass, by optimizer step: {by_step}")
     for counts in by_step.values():
         assert len(counts) > 1, "a piecewise step ran one backward pass"
         assert counts[-1] > 0
@@ -120,7 +123,7 @@ RESUME_ENGINES = ("multi_gpu", "zero2", "zero3", "fsdp2")
 @pytest.mark.parametrize("engine", RESUME_ENGINES)
 def test_resumed_run_ends_where_the_uninterrupted_run_ends(engine, tiny_llada_dir, tmp_path):
     """BGPO with AdamW for 4 steps, saved at step 2; a second run resumes from that checkpoint (the sharded
-    optimiser state, the random states and the rollout state) and ends with the uninterrupted run's parameters. The
+    optimizer state, the random states and the rollout state) and ends with the uninterrupted run's parameters. The
     final `save_model` writes a checkpoint that `AutoModelForCausalLM.from_pretrained` loads to those parameters."""
     from transformers import AutoModelForCausalLM
 
@@ -173,3 +176,22 @@ def test_two_machines_of_one_process_train_like_one_process(tiny_llada_dir, tmp_
         assert torch.equal(merged, expected["completion_canvas"])
     for run in ranks:
         assert_same_update([run], reference, f"machine {run['rank']}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradient_accumulation_across_processes_trains_like_one_process(engine, tiny_llada_dir, tmp_path, one_process):
+    """BGPO with 2 micro-batches of 2 rows per process (a generation batch of 8 rows over 2 processes x 2 steps of
+    accumulation): the same rollouts and the same update as one process over the 8 rows at once. Under DeepSpeed the
+    accumulation boundary is the Trainer's, not DeepSpeed's own count of backward passes (3 per micro-batch)."""
+    args = ["--trainer", "bgpo", "--model-dir", tiny_llada_dir, "--per-device-train-batch-size", "2"]
+    # As `trl-diffusion --accelerate_config zero1` relaunches: TRL's zero1 preset fixes DeepSpeed's accumulation to 1.
+    launch_args = deepspeed_launch_args(engine, 2)
+    ranks = launch_worker(engine, tmp_path, *args, "--gradient-accumulation-steps", "2", launch_args=launch_args)
+    reference = one_process("bgpo", False)
+    for step, expected in enumerate(reference["rollouts"]):
+        merged = torch.cat([run["rollouts"][step]["completion_canvas"] for run in ranks])
+        assert torch.equal(merged, expected["completion_canvas"]), f"{engine}: rollouts at step {step}"
+    for run in ranks:
+        assert_same_update([run], reference, f"bgpo under {engine}, accumulating 2 micro-batches, rank {run['rank']}")
+    check_reductions(ranks[0], engine, f"bgpo under {engine} with accumulation")

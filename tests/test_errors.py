@@ -129,7 +129,7 @@ def test_reward_returning_strings_is_named(tiny_llada_dir, tmp_path):
 
 @pytest.fixture
 def checkpoint_dir(tmp_path, tiny_llada, tiny_tokenizer):
-    """A checkpoint folder as the Trainer writes one, without the optimiser state."""
+    """A checkpoint folder as the Trainer writes one, without the optimizer state."""
     directory = tmp_path / "run" / "checkpoint-1"
     save_checkpoint(tiny_llada, tiny_tokenizer, directory)
     (directory / "trainer_state.json").write_text('{"global_step": 1, "log_history": []}')
@@ -159,7 +159,7 @@ def test_unreadable_trainer_state_is_named(checkpoint_dir):
 def test_checkpoint_without_optimizer_warns(checkpoint_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
         check_checkpoint(str(checkpoint_dir))
-    assert any("no optimizer.pt: the optimiser restarts" in record.getMessage() for record in caplog.records)
+    assert any("no optimizer.pt: the optimizer restarts" in record.getMessage() for record in caplog.records)
     (checkpoint_dir / "optimizer.pt").write_bytes(b"")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trl_diffusion"):

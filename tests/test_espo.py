@@ -2,7 +2,7 @@
 
 End to end (LoRA and full fine-tuning, rollouts reused, checkpoint and resume), then the objective checked piece by
 piece against independent computations on one rollout batch: the on-policy gradient (REINFORCE on the
-length-normalised coupled ELBO), the k2 penalty and its gradient, k1 / k3 values, the leave-one-out advantages, and
+length-normalized coupled ELBO), the k2 penalty and its gradient, k1 / k3 values, the leave-one-out advantages, and
 the variance of the coupled ELBO estimator against the uncoupled (stratified) one at an equal number of forward
 passes.
 """
@@ -146,7 +146,7 @@ def test_train_save_and_resume(peft, tiny_llada_dir, tmp_path):
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["on-policy", "stored-old-terms"])
-def test_on_policy_gradient_is_reinforce_on_the_normalised_elbo(reuse, tiny_llada_dir, tmp_path):
+def test_on_policy_gradient_is_reinforce_on_the_normalized_elbo(reuse, tiny_llada_dir, tmp_path):
     """beta = 0 and theta = theta_old: rho = 1 and grad = -(1/B) sum_b A_b grad(B_b / L) / GA.
 
     `stored-old-terms` (mu = 2) computes B_old at generation time in a separate no_grad pass; before any update it

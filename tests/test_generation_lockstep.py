@@ -1,6 +1,6 @@
-"""Synchronised denoising keeps processes in lockstep: two CPU processes (gloo) whose rows finish at different steps
+"""Synchronized denoising keeps processes in lockstep: two CPU processes (gloo) whose rows finish at different steps
 make the same number of model calls, with a model that joins a collective at every forward or one sharded with
-FSDP2, and each decodes its rows exactly as it does alone. (Unsynchronised, the FSDP2 scenario fails: the process
+FSDP2, and each decodes its rows exactly as it does alone. (Unsynchronized, the FSDP2 scenario fails: the process
 that finishes first leaves the other waiting in an all-gather.)"""
 
 from pathlib import Path
@@ -15,19 +15,19 @@ from helpers import run_ddp_worker
 LOCKSTEP_WORKER = Path(__file__).with_name("lockstep_worker.py")
 
 
-def test_synchronised_processes_make_the_same_model_calls_and_decode_as_alone(tmp_path):
+def test_synchronized_processes_make_the_same_model_calls_and_decode_as_alone(tmp_path):
     # Every forward of the worker's models is collective: a missed call fails or times out (60 s) instead of passing.
     ranks = run_ddp_worker(tmp_path, 2, worker=LOCKSTEP_WORKER, timeout=240)
     for name in ranks[0]:
         runs = [rank[name] for rank in ranks]
         for run in runs:
-            synchronised, alone = run["synchronised"], run["alone"]
+            synchronized, alone = run["synchronized"], run["alone"]
             for field in ("completion_ids", "commit_step", "steps_per_row", "tokens_per_forward"):
                 assert torch.equal(
-                    torch.as_tensor(getattr(synchronised, field)), torch.as_tensor(getattr(alone, field))
+                    torch.as_tensor(getattr(synchronized, field)), torch.as_tensor(getattr(alone, field))
                 )
-            assert synchronised.num_forward_passes == run["calls"]
-        # Alone, the processes need different numbers of model calls; synchronised, both make at least the most of
+            assert synchronized.num_forward_passes == run["calls"]
+        # Alone, the processes need different numbers of model calls; synchronized, both make at least the most of
         # them: exactly that, except with the dual cache where rank 0 may need two calls at a step where rank 1
         # needs one.
         alone_calls = [run["alone"].num_forward_passes for run in runs]
@@ -42,5 +42,5 @@ def test_synchronised_processes_make_the_same_model_calls_and_decode_as_alone(tm
 
 def test_synchronize_needs_a_process_group(tiny_llama, tiny_llama_adapter, chat_prompts):
     config = DiffusionGenerationConfig(max_completion_length=8, block_length=8, diffusion_steps=4)
-    with pytest.raises(ValueError, match="no process group is initialised"):
+    with pytest.raises(ValueError, match="no process group is initialized"):
         generate(tiny_llama, **chat_prompts, generation_config=config, adapter=tiny_llama_adapter, synchronize=True)

@@ -27,7 +27,7 @@ from trl_diffusion.masking import (
     MaskPlan,
     completion_region,
     coupled_counts,
-    length_normaliser,
+    length_normalizer,
     sample_masks,
     sample_prompt_masks,
     stratified_counts,
@@ -270,7 +270,7 @@ def test_count_rules_are_marginally_uniform():
             assert 0.1 + 0.9 * j / 4 <= t < 0.1 + 0.9 * (j + 1) / 4
 
 
-def test_completion_region_and_length_normaliser(tiny_llama_adapter):
+def test_completion_region_and_length_normalizer(tiny_llama_adapter):
     eos, eot = tiny_llama_adapter.terminator_ids
     completion_ids = torch.tensor(
         [
@@ -287,13 +287,13 @@ def test_completion_region_and_length_normaliser(tiny_llama_adapter):
     ]
     assert completion_region(completion_ids, tiny_llama_adapter.terminator_ids, "canvas").all()
     terminators = tiny_llama_adapter.terminator_ids
-    assert length_normaliser(completion_ids, terminators, "none").tolist() == [1.0, 1.0, 1.0]
-    assert length_normaliser(completion_ids, terminators, "canvas").tolist() == [6.0, 6.0, 6.0]
-    assert length_normaliser(completion_ids, terminators, "answer").tolist() == [3.0, 1.0, 6.0]
+    assert length_normalizer(completion_ids, terminators, "none").tolist() == [1.0, 1.0, 1.0]
+    assert length_normalizer(completion_ids, terminators, "canvas").tolist() == [6.0, 6.0, 6.0]
+    assert length_normalizer(completion_ids, terminators, "answer").tolist() == [3.0, 1.0, 6.0]
     with pytest.raises(ValueError):
         completion_region(completion_ids, terminators, "prompt")
     with pytest.raises(ValueError):
-        length_normaliser(completion_ids, terminators, "tokens")
+        length_normalizer(completion_ids, terminators, "tokens")
 
 
 def _random_region(batch_size, completion_length, generator):
@@ -794,7 +794,7 @@ def test_quadrature_sampler_needs_whole_nodes(tmp_path):
 
 @pytest.mark.parametrize("trainer_name", ["vrpo", "bgpo"])
 def test_quadrature_sampler_trains(trainer_name, tiny_llada_dir, tmp_path):
-    """Two optimiser steps of a sequence-ELBO trainer with GDPO's quadrature: finite losses, weights that move."""
+    """Two optimizer steps of a sequence-ELBO trainer with GDPO's quadrature: finite losses, weights that move."""
     from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, VRPOConfig, VRPOTrainer
 
     from helpers import tiny_trainer

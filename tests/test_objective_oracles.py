@@ -1,6 +1,6 @@
 """Objective-level oracles: DiffuGRPO's and ESPO's loss and gradient against computations written here from the
 formulas of SPEC section 6 (d1: TRL's token-level clipped ratio on mean-field log-probs with the k3 KL; ESPO: the
-per-token-normalised sequence ratio of coupled ELBOs, clipped, with the k2 KL), not through the package's
+per-token-normalized sequence ratio of coupled ELBOs, clipped, with the k2 KL), not through the package's
 estimators.
 
 Each test runs one rollout batch with `num_iterations = 3` (ESPO: 2), off-policy for real: the policy is moved away
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_diffusion.masking import sample_masks, sample_prompt_masks
 from trl_diffusion.models import build_tiny_llada
-from trl_diffusion.models.tiny import reinitialise
+from trl_diffusion.models.tiny import reinitialize
 from trl_diffusion.trainer import DiffuGRPOConfig, DiffuGRPOTrainer, ESPOConfig, ESPOTrainer
 
 import helpers
@@ -31,7 +31,7 @@ ADVANTAGES = torch.tensor([1.5, -0.5, 0.25, -1.25, 2.0, -3.0, 0.75, -0.1])
 @pytest.fixture(scope="module")
 def sensitive_llada_dir(tmp_path_factory, tiny_tokenizer):
     model = build_tiny_llada(tiny_tokenizer)
-    reinitialise(model, seed=5, std=WEIGHT_STD)
+    reinitialize(model, seed=5, std=WEIGHT_STD)
     return save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("sensitive-llada"))
 
 
@@ -65,7 +65,7 @@ def off_policy_batch(trainer_class, config_class, model_dir, output_dir, **setti
 
 
 def moved_policy_loss_and_gradients(trainer, model, inputs, iteration):
-    """Moves the policy (as optimiser steps since the rollout would), then the trainer's loss of inner iteration
+    """Moves the policy (as optimizer steps since the rollout would), then the trainer's loss of inner iteration
     `iteration` and its gradients; the model's gradients are left zeroed for the reference computation."""
     perturb(model, PERTURBATION, seed=10 + iteration)
     model.zero_grad()

@@ -28,7 +28,7 @@ from test_objective_oracles import (  # noqa: F401  (sensitive_llada_dir is a fi
 )
 
 from trl_diffusion.likelihood import exact_elbo
-from trl_diffusion.masking import completion_region, length_normaliser, sample_masks, spg_code_views
+from trl_diffusion.masking import completion_region, length_normalizer, sample_masks, spg_code_views
 from trl_diffusion.models import DiffusionAdapter, build_tiny_sdar
 from trl_diffusion.trainer import SPGConfig, SPGTrainer
 
@@ -281,7 +281,7 @@ def spg_trainer(model_dir, output_dir, **settings):
     return tiny_trainer(SPGTrainer, model_dir, tiny_grpo_config(SPGConfig, output_dir, **settings))
 
 
-def independent_bounds(model, inputs, plan, normaliser, beta):
+def independent_bounds(model, inputs, plan, normalizer, beta):
     """SPG's per-token lower and upper bounds of every row from the model called directly, view by view and
     position by position."""
     prompt_ids, prompt_mask, canvas = inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_canvas"]
@@ -303,7 +303,7 @@ def independent_bounds(model, inputs, plan, normaliser, beta):
             )
         weights = plan.weights[row]
         elbo = sum(weights[view] * per_view[view][plan.masks[row, view]].sum() for view in range(views)) / views
-        lowers.append(elbo / normaliser[row])
+        lowers.append(elbo / normalizer[row])
         terms = []
         for position in plan.masks[row].any(dim=0).nonzero().squeeze(-1).tolist():
             inner = (
@@ -326,13 +326,13 @@ def test_loss_and_gradient_against_an_independent_computation(negative_bound, se
     inputs["advantages"] = ADVANTAGES.clone()
     model = trainer.model
     plan = trainer.mask_plan(inputs, 1)
-    normaliser = trainer.elbo_normaliser(inputs)
+    normalizer = trainer.elbo_normalizer(inputs)
 
     # The lower bound is the package's ELBO estimate over N, on the same views.
     lower, upper = trainer.sandwich_bounds(model, inputs, 1)
     with torch.no_grad():
         package_elbo = trainer.elbo_terms(model, inputs, 1).mean(dim=1)
-    torch.testing.assert_close(lower.detach(), package_elbo / normaliser, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lower.detach(), package_elbo / normalizer, rtol=1e-6, atol=1e-7)
 
     model.zero_grad()
     loss = trainer._compute_loss(model, inputs)
@@ -340,19 +340,19 @@ def test_loss_and_gradient_against_an_independent_computation(negative_bound, se
     actual = gradients(model)
     model.zero_grad()
 
-    expected_lower, expected_upper = independent_bounds(model, inputs, plan, normaliser, 1.7)
+    expected_lower, expected_upper = independent_bounds(model, inputs, plan, normalizer, 1.7)
     torch.testing.assert_close(upper.detach(), expected_upper.detach(), rtol=1e-5, atol=1e-6)
     omega = {"mix": 0.5, "eubo": 1.0, "elbo": 0.0, "none": None}[negative_bound]
     negative = expected_lower * 0 if omega is None else omega * expected_upper + (1 - omega) * expected_lower
     advantages = inputs["advantages"]
     proxy = torch.where(advantages >= 0, expected_lower, negative)
-    lengths = length_normaliser(inputs["completion_canvas"], trainer.adapter.terminator_ids, "answer")
+    lengths = length_normalizer(inputs["completion_canvas"], trainer.adapter.terminator_ids, "answer")
     expected_loss = -(advantages * proxy * lengths).sum() / lengths.sum()
     assert_same_loss_and_gradients(model, loss, actual, expected_loss)
 
 
 def test_loss_does_not_depend_on_the_micro_batch_split(tiny_llada_dir, tmp_path):
-    """The length weights are normalised over the rollout batch: two micro-batches of 4 with accumulation 2 give
+    """The length weights are normalized over the rollout batch: two micro-batches of 4 with accumulation 2 give
     the loss and gradient of one micro-batch of 8."""
     trainer = spg_trainer(tiny_llada_dir, tmp_path, gradient_accumulation_steps=2)
     inputs = rollout_batch(trainer)

@@ -11,6 +11,7 @@
 - Memory: the saved-for-backward bytes of a loss piece do not grow with the number of denoising steps.
 """
 
+import copy
 import logging
 import math
 
@@ -591,7 +592,7 @@ def test_kl_towards_the_old_policy_loads_no_reference(tiny_llada, tiny_tokenizer
     first inner iteration and positive on the second."""
     args = tiny_grpo_config(TraceRLConfig, tmp_path, num_iterations=2, pass_rate_range=None, max_steps=2)
     trainer = TraceRLTrainer(
-        model=tiny_llada,
+        model=copy.deepcopy(tiny_llada),  # the session's fixture must not train
         reward_funcs=distinct_chars,
         args=args,
         train_dataset=say_dataset(),

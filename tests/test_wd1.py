@@ -15,7 +15,7 @@ import torch
 
 from trl_diffusion.masking import sample_prompt_masks
 from trl_diffusion.models import build_tiny_llada
-from trl_diffusion.models.tiny import reinitialise
+from trl_diffusion.models.tiny import reinitialize
 from trl_diffusion.trainer import WD1Config, WD1Trainer
 
 import helpers
@@ -166,7 +166,7 @@ WEIGHT_STD = 0.15
 @pytest.fixture(scope="module")
 def sensitive_llada_dir(tmp_path_factory, tiny_tokenizer):
     model = build_tiny_llada(tiny_tokenizer)
-    reinitialise(model, seed=5, std=WEIGHT_STD)
+    reinitialize(model, seed=5, std=WEIGHT_STD)
     return save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("sensitive-llada"))
 
 
@@ -220,7 +220,7 @@ def test_loss_and_gradient_per_inner_iteration(sensitive_llada_dir, tmp_path):
 
 def test_equal_advantages_give_zero_weights_and_zero_gradient(tiny_llada_dir, tmp_path):
     """A group whose completions have the same advantage (not only 0) has w+ = w- and no gradient; so does a run
-    whose reward is constant: one optimiser step leaves the weights unchanged."""
+    whose reward is constant: one optimizer step leaves the weights unchanged."""
     trainer = make_trainer(tiny_llada_dir, tmp_path / "batch")
     inputs = rescored(trainer, helpers.rollout_batch(trainer), torch.tensor([1.3] * 4 + [-0.4] * 4))
     assert torch.equal(inputs["wd1_weights"], torch.zeros(8))

@@ -99,7 +99,7 @@ _import_structure = {
     "masking": [
         "MaskPlan",
         "completion_region",
-        "length_normaliser",
+        "length_normalizer",
         "new_mask_seeds",
         "sample_complementary_masks",
         "sample_masks",
@@ -142,8 +142,6 @@ _import_structure = {
     ],
 }
 _LAZY_IMPORTS = {name: module for module, names in _import_structure.items() for name in names}
-# Renamed public names, resolved (with a FutureWarning) by the module that renamed them.
-_RENAMED = {"DiffusionGRPOConfig": "trainer", "DiffusionGRPOTrainer": "trainer"}
 __all__ = list(_LAZY_IMPORTS)
 
 
@@ -152,8 +150,6 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_LAZY_IMPORTS[name]}", __name__), name)
         globals()[name] = value  # later look-ups skip this function
         return value
-    if name in _RENAMED:
-        return getattr(importlib.import_module(f".{_RENAMED[name]}", __name__), name)
     if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule, as `trl_diffusion.trainer`
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -183,7 +179,7 @@ if TYPE_CHECKING:
     from .masking import (
         MaskPlan,
         completion_region,
-        length_normaliser,
+        length_normalizer,
         new_mask_seeds,
         sample_complementary_masks,
         sample_masks,

@@ -17,10 +17,8 @@ relaunches a training command with `accelerate launch`; arguments the parser doe
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -103,10 +101,25 @@ def launch_with_accelerate(command: str, argv: list[str], accelerate_config: str
             os.environ[LAUNCHED_ENV] = previous
 
 
-def _launch_request(parser, argv: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """`(accelerate_config, unknown strings of the --config file, unknown strings of argv)`, from an argparse-level
-    parse that builds no config: a config's checks depend on the number of processes, which only the launched
-    processes know (`generation_batch_size` must be divisible by `num_generations`)."""
+def deepspeed_launch_args(accelerate_config: str, gradient_accumulation_steps: int) -> list[str]:
+    """The training's `--gradient_accumulation_steps` as a flag of `accelerate launch` when `accelerate_config` is
+    a DeepSpeed config that fixes its own (TRL's `zero1` preset writes 1): transformers refuses a DeepSpeed value
+    that differs from the Trainer's, and the launcher's flag overrides the file's."""
+    import yaml
+
+    with open(resolve_accelerate_config(accelerate_config)) as file:
+        config = yaml.safe_load(file) or {}
+    if config.get("distributed_type") != "DEEPSPEED":
+        return []
+    if "gradient_accumulation_steps" not in (config.get("deepspeed_config") or {}):
+        return []
+    return ["--gradient_accumulation_steps", str(gradient_accumulation_steps)]
+
+
+def _launch_request(parser, argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """`(namespace, unknown strings of the --config file, unknown strings of argv)`, from an argparse-level parse
+    that builds no config: a config's checks depend on the number of processes, which only the launched processes
+    know (`generation_batch_size` must be divisible by `num_generations`)."""
     import yaml
 
     argv = list(argv)
@@ -119,7 +132,7 @@ def _launch_request(parser, argv: list[str]) -> tuple[str | None, list[str], lis
         config.pop("env", None)
         config_remaining = parser.set_defaults_with_config(**config)
     namespace, cli_remaining = parser.parse_known_args(argv)
-    return namespace.accelerate_config, config_remaining, cli_remaining
+    return namespace, config_remaining, cli_remaining
 
 
 def run_training(command: str, argv: list[str]) -> int:
@@ -128,12 +141,14 @@ def run_training(command: str, argv: list[str]) -> int:
     from .scripts import train
     from .scripts.utils import LAUNCHED_ENV
 
-    accelerate_config, config_remaining, cli_remaining = _launch_request(train.make_parser(command), argv)
+    namespace, config_remaining, cli_remaining = _launch_request(train.make_parser(command), argv)
+    accelerate_config = namespace.accelerate_config
     unknown = config_remaining + cli_remaining
     parser = train.make_parser(command)
     parser.error_on_refused(unknown)
     if accelerate_config and not os.environ.get(LAUNCHED_ENV):
-        launch_with_accelerate(command, _subtract_subsequence(argv, cli_remaining), accelerate_config, unknown)
+        launch_args = deepspeed_launch_args(accelerate_config, namespace.gradient_accumulation_steps) + unknown
+        launch_with_accelerate(command, _subtract_subsequence(argv, cli_remaining), accelerate_config, launch_args)
         return 0
     if unknown:
         parser.error(
@@ -202,30 +217,3 @@ def main(argv: list[str] | None = None) -> int:
     except HubPushError as error:  # offline, not logged in, or no network: one line says which and what to do
         print(f"trl-diffusion {args.command}: error: {error}", file=sys.stderr)
         return 1
-
-
-# Names this module held before the scripts package: name -> (module, its name there).
-_MOVED = {
-    "DiffusionScriptArguments": ("trl_diffusion.scripts.utils", "DiffusionScriptArguments"),
-    "DiffusionTrlParser": ("trl_diffusion.scripts.utils", "DiffusionTrlParser"),
-    "make_training_parser": ("trl_diffusion.scripts.train", "make_parser"),
-    "train": ("trl_diffusion.scripts.train", "train"),
-    "run_recipe": ("trl_diffusion.scripts.train", "run_recipe"),
-    "run_eval": ("trl_diffusion.scripts.eval", "main"),
-    "resolve_reward_func": ("trl_diffusion.rewards.registry", "resolve_reward_func"),
-    "load_dataset_splits": ("trl_diffusion.tasks.loading", "load_dataset_splits"),
-    "peft_config_for": ("trl_diffusion.models.lora", "peft_config_for"),
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        module, attribute = _MOVED[name]
-        warnings.warn(
-            f"`trl_diffusion.cli.{name}` moved to `{module}.{attribute}`; the old name will be removed in a future "
-            "release.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(module), attribute)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -238,8 +238,8 @@ def make_parser() -> argparse.ArgumentParser:
         default="llada",
         help="The tiny model: LLaDA (default), or a block-diffusion SDAR, SDAR-MoE or LLaDA2.",
     )
-    parser.add_argument("--sft_steps", type=int, default=600, help="Optimiser steps of the SFT stage.")
-    parser.add_argument("--rl_steps", type=int, default=800, help="BGPO optimiser steps.")
+    parser.add_argument("--sft_steps", type=int, default=600, help="Optimizer steps of the SFT stage.")
+    parser.add_argument("--rl_steps", type=int, default=800, help="BGPO optimizer steps.")
     parser.add_argument("--rl_learning_rate", type=float, default=1e-3, help="BGPO learning rate.")
     parser.add_argument("--rl_beta", type=float, default=0.04, help="KL coefficient towards the SFT model.")
     parser.add_argument("--rl_batch_size", type=int, default=64, help="Rollouts per BGPO step (8 per prompt).")

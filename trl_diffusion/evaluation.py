@@ -2,7 +2,7 @@
 completions with the task's verifier.
 
 [`evaluate_task`] runs it once, on one process or split across the processes of an `accelerate` launch.
-[`TaskEvaluationCallback`] runs it during training every `eval_every_steps` optimiser steps and at the end, and logs
+[`TaskEvaluationCallback`] runs it during training every `eval_every_steps` optimizer steps and at the end, and logs
 `eval/<task>/accuracy`: the number the papers select checkpoints by.
 """
 
@@ -361,7 +361,7 @@ def evaluate_task(
 
 
 class TaskEvaluationCallback(TrainerCallback):
-    """Evaluates the trained model on a task every `eval_every_steps` optimiser steps and at the end of training,
+    """Evaluates the trained model on a task every `eval_every_steps` optimizer steps and at the end of training,
     and logs `eval/<task>/accuracy`, `eval/<task>/reward` and `eval/<task>/num_examples` through the trainer (so they
     appear in `trainer.state.log_history` and in every `report_to` backend).
 
@@ -427,26 +427,15 @@ class TaskEvaluationCallback(TrainerCallback):
 
     def evaluate(self, state) -> dict:
         """Runs the evaluation now and logs its metrics. Every process must call it."""
-        from trl.distributed import DistributedBackend
-        from trl.models.utils import unwrap_model_for_generation
-
-        from .trainer.utils import trl_checkpointing_deprecations_silenced
+        from .trainer.utils import unwrapped_for_generation
 
         trainer = self.trainer
         if self._dataset is None:
             self._dataset = self.task.load(split=self.split, num_examples=self.num_examples, seed=self.seed)
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         args = trainer.args
-        with (
-            trl_checkpointing_deprecations_silenced(),
-            unwrap_model_for_generation(
-                trainer.model_wrapped,
-                trainer.accelerator,
-                gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
-                gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-            ) as model,
-            DistributedBackend(trainer.accelerator).summon_full_params(trainer.model_wrapped, recurse=False),
-        ):
+        # The trained policy (not `rollout_policy`, which is LFPO's old policy): what the run would save.
+        with unwrapped_for_generation(trainer) as model:
             self.results = evaluate_task(
                 model,
                 tokenizer,

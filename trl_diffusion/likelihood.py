@@ -45,7 +45,7 @@ def _scored_logprobs(
         input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
         attention_mask = torch.cat([prompt_mask, torch.ones_like(targets, dtype=prompt_mask.dtype)], dim=1)
         logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
-    # Gather the scored rows before normalising: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
+    # Gather the scored rows before normalizing: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
     scored_logits = logits[scored].float()
     del logits
     if temperature != 1.0:
@@ -53,13 +53,13 @@ def _scored_logprobs(
     if excluded_token is not None:
         excluded = torch.tensor([excluded_token], device=scored_logits.device)
         scored_logits = scored_logits.index_fill(-1, excluded, -math.inf)
-    normaliser = scored_logits.logsumexp(-1)
-    logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - normaliser
+    normalizer = scored_logits.logsumexp(-1)
+    logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - normalizer
     # With nothing scored the output is still attached to the graph (through the empty gather), as DDP requires.
     placeholder = torch.zeros(scored.shape, dtype=torch.float32, device=logprobs.device)
     if not return_entropy:
         return placeholder.masked_scatter(scored, logprobs)
-    log_probs_all = scored_logits - normaliser.unsqueeze(-1)
+    log_probs_all = scored_logits - normalizer.unsqueeze(-1)
     entropy = -(log_probs_all.exp() * log_probs_all.nan_to_num(neginf=0.0)).sum(-1)
     return placeholder.masked_scatter(scored, logprobs), placeholder.masked_scatter(scored, entropy.detach())
 
@@ -253,7 +253,7 @@ def elbo_terms(
 
 
 def eubo_token_mean(logprobs: torch.Tensor, plan: MaskPlan, beta: float) -> torch.Tensor:
-    """SPG's token-normalised evidence upper bound from the per-token log-probs of every view (its Rényi bound):
+    """SPG's token-normalized evidence upper bound from the per-token log-probs of every view (its Rényi bound):
 
         U = mean over n in N of  (1 / beta) * log( (1 / m) * sum_j w_j * 1[n in M_j] * p_j(y_n)^beta ),
 
@@ -579,7 +579,7 @@ def coupled_token_scores(
     position in `z_1` with probability t), `E[w_i] = 1/(b - a) * int_a^b [g_i(t) + g_i(1 - t)] dt`, where
     `g_i(t) = E[log p(y_i | x, y with i and each other region position masked with probability t)]` (each view is
     one single-sample ELBO term of token i, so w_i is the sum of two); for a range symmetric about 1/2 that is twice
-    the per-token ELBO integral `int g_i(t) dt` over (a, b), renormalised. `s_i` is a weighted log-likelihood, not a
+    the per-token ELBO integral `int g_i(t) dt` over (a, b), renormalized. `s_i` is a weighted log-likelihood, not a
     log-probability (1/t and 1/(1 - t) scale it by 1.25 to 5 for the default range). The views run as one forward
     pass over the rows stacked three (two) times; the prompt is never masked. Logits are not divided by the sampling
     temperature.

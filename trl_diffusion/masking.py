@@ -1,5 +1,5 @@
 """The forward (masking) process of masked diffusion models: the scored region of a completion, its length
-normaliser, and the Monte Carlo mask samplers of the ELBO estimators.
+normalizer, and the Monte Carlo mask samplers of the ELBO estimators.
 
 Every mask is a deterministic function of (row seed, inner-iteration index, Monte Carlo index), drawn with private
 `torch.Generator`s. Old, reference and current policies therefore see the same masks (common random numbers), a
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .generation import completion_lengths
 from .seeding import MASK_BLOCKS, MASK_COMPLETION, MASK_PAIR, MASK_PROMPT, MASK_SAMPLE, keyed_generator
+from .utils.sequences import completion_lengths
 
 # GDPO's semi-deterministic estimator: Gauss-Legendre nodes t_k on (0, 1) and weights a_k (summing to 1).
 QUADRATURE_RULES = {
@@ -70,7 +70,7 @@ def completion_region(
     return positions < completion_lengths(completion_ids, terminator_ids)[:, None]
 
 
-def length_normaliser(
+def length_normalizer(
     completion_ids: torch.LongTensor, terminator_ids: list[int] | tuple[int, ...], length_norm: str
 ) -> torch.Tensor:
     """The per-completion divisor N of ELBO differences: 1 (`"none"`), the canvas length L (`"canvas"`) or the

@@ -206,7 +206,7 @@ def _figure(curve: CurveFigure, keys: list[str], log_history: list[dict], title:
     for index, axis in enumerate(axes[:panels]):
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         if index + columns >= panels:  # the lowest panel of its column
-            axis.set_xlabel("optimiser step")
+            axis.set_xlabel("optimizer step")
     figure.suptitle(f"{title}: {curve.title}" if title else curve.title, fontsize=10)
     figure.tight_layout()
     return figure

@@ -98,7 +98,7 @@ def _check_safetensors(path: Path) -> None:
 def check_checkpoint(directory: str) -> None:
     """Checks a checkpoint before a trainer resumes from it: every `*.safetensors` file whole and `trainer_state.json`
     readable (`ValueError` naming the file otherwise); a missing `optimizer.pt` is logged as a warning, since the
-    optimiser then restarts from zero.
+    optimizer then restarts from zero.
 
     Args:
         directory (`str`):
@@ -123,7 +123,7 @@ def check_checkpoint(directory: str) -> None:
             ) from None
     if not (path / "optimizer.pt").is_file():
         logger.warning(
-            "%s has no optimizer.pt: the optimiser restarts from zero (no AdamW moments), so the resumed run does not "
+            "%s has no optimizer.pt: the optimizer restarts from zero (no AdamW moments), so the resumed run does not "
             "continue the interrupted one exactly.",
             directory,
         )
@@ -321,8 +321,8 @@ TRAINING_ARGUMENTS_RULES = {
     "adam_epsilon": number(0),
     "max_grad_norm": number(0, optional=True, note="0 or None disables gradient clipping"),
     "num_train_epochs": number(0, low_inclusive=False, note="ignored when `max_steps` is positive"),
-    "max_steps": integer(-1, note="optimiser steps; -1 trains for `num_train_epochs`"),
-    "warmup_steps": number(0, note="optimiser steps, or below 1 a fraction of them"),
+    "max_steps": integer(-1, note="optimizer steps; -1 trains for `num_train_epochs`"),
+    "warmup_steps": number(0, note="optimizer steps, or below 1 a fraction of them"),
     "label_smoothing_factor": number(0, 1, high_inclusive=False),
     "neftune_noise_alpha": number(0, optional=True),
     "per_device_train_batch_size": integer(1),

@@ -4,18 +4,18 @@
 The model is a native LLaDA of ~318M parameters (d_model 1024, 24 blocks, 16 heads, SwiGLU width 2048, vocabulary
 32000) with random weights, built and saved locally once (no Hub) and shared by the five stages:
 
-0. `benchmarks/gpu/trainer_smoke.py`: every training command (each RL trainer and SFT) for two optimiser steps
+0. `benchmarks/gpu/trainer_smoke.py`: every training command (each RL trainer and SFT) for two optimizer steps
    through the command line, with LoRA on a bf16 base and with QLoRA on a 4-bit NF4 base (device placement, bf16
-   autocast, quantisation; finite losses);
+   autocast, quantization; finite losses);
 1. `benchmarks/gpu/multi_gpu.py` (stage `multi_gpu`, 2 or more GPUs): BGPO and VRPO full fine-tuning for two
-   optimiser steps through `trl-diffusion COMMAND --accelerate_config zero3|fsdp2 --num_processes N` on every GPU
+   optimizer steps through `trl-diffusion COMMAND --accelerate_config zero3|fsdp2 --num_processes N` on every GPU
    (NCCL, bf16; finite losses and gradient norms), each run in its own subprocess, killed after 300 s. With one GPU
    the stage is recorded as "not run: 1 GPU", which does not fail the check;
 2. `benchmarks/memory.py --device cuda`: peak CUDA memory and bytes saved for backward of one training step against
    n (VRPO, BGPO, ESPO, LFPO) at n in {1, 4, 16, 32, 64} (VRPO up to 32, ESPO up to 16 pairs);
 3. `benchmarks/throughput.py --device cuda`: sampler tokens per second at generation lengths 128, 256 and 512, fixed
    schedule and threshold decoding, each cache mode of the sampler (bfloat16);
-4. `benchmarks/step_time.py --device cuda`: generation / scoring / update time per optimiser step of every trainer.
+4. `benchmarks/step_time.py --device cuda`: generation / scoring / update time per optimizer step of every trainer.
 
     python benchmarks/gpu/check.py             # needs a CUDA GPU; without one it says so and exits 0
     python benchmarks/gpu/check.py --dry-run   # the stages on the CPU at the smoke sizes: VRPO and BGPO, and the

@@ -1,4 +1,4 @@
-"""Multi-GPU check: full fine-tuning (no LoRA) of BGPO and VRPO for two optimiser steps on several GPUs, launched
+"""Multi-GPU check: full fine-tuning (no LoRA) of BGPO and VRPO for two optimizer steps on several GPUs, launched
 through the command line as a user launches it: `trl-diffusion COMMAND --accelerate_config PRESET --num_processes N`
 with TRL's `zero3` (DeepSpeed ZeRO-3) and `fsdp2` presets, NCCL, bf16.
 

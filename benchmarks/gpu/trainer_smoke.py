@@ -1,8 +1,8 @@
-"""Trainer smoke: every training command of `trl-diffusion` for two optimiser steps, with LoRA on a bf16 base and
+"""Trainer smoke: every training command of `trl-diffusion` for two optimizer steps, with LoRA on a bf16 base and
 with QLoRA (a 4-bit NF4 base), through the command line's own code path (`trl_diffusion.scripts.train.main`).
 
 What it checks that the CPU suite cannot: each trainer's tensors are created on the model's device, its losses run
-in bf16 autocast and under 4-bit quantisation, and its two steps finish with finite losses. Each run is in this
+in bf16 autocast and under 4-bit quantization, and its two steps finish with finite losses. Each run is in this
 process, one after another (a failure is recorded with its traceback and the next run still goes); the RL commands
 train on the built-in `largest_digit` task's prompts rewarded by `distinct_characters` (a reward with variance on
 a random model, so that every gradient path runs), `sft` on a small prompt / completion dataset written locally.

@@ -75,7 +75,7 @@ def build_tiny_bidirectional_llama(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
-    """A randomly initialised `LlamaForCausalLM` run bidirectionally (`config.is_causal = False`): the generic
+    """A randomly initialized `LlamaForCausalLM` run bidirectionally (`config.is_causal = False`): the generic
     "any bidirectional transformer with a mask token" of the package.
 
     Args:
@@ -107,7 +107,7 @@ def build_tiny_bidirectional_llama(
     )
 
 
-def reinitialise(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+def reinitialize(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
     """Redraws every weight matrix from N(0, std) with a private generator, so a tiny model is the same on every
     machine and global RNG state is untouched. Norm weights stay at one."""
     generator = torch.Generator().manual_seed(seed)
@@ -130,7 +130,7 @@ def _build_tiny_model(
 ) -> torch.nn.Module:
     """What every tiny builder shares: a `config_class` of the given sizes whose vocabulary (`vocab_size`, default
     the tokenizer's) and special ids come from the tokenizer (default: [`build_tiny_tokenizer`]; EOS and end-of-turn
-    as terminators), SDPA attention, weights redrawn by [`reinitialise`] from `seed`, parameters cast to `dtype`."""
+    as terminators), SDPA attention, weights redrawn by [`reinitialize`] from `seed`, parameters cast to `dtype`."""
     tokenizer = tokenizer or build_tiny_tokenizer()
     config = config_class(
         vocab_size=vocab_size or len(tokenizer),
@@ -142,7 +142,7 @@ def _build_tiny_model(
         attn_implementation="sdpa",
     )
     model = model_class(config)
-    reinitialise(model, seed)
+    reinitialize(model, seed)
     return model.to(dtype)
 
 
@@ -158,7 +158,7 @@ def build_tiny_llada(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> LLaDAModelLM:
-    """A randomly initialised native LLaDA with the architecture flags of LLaDA-8B (bidirectional Llama block, RoPE
+    """A randomly initialized native LLaDA with the architecture flags of LLaDA-8B (bidirectional Llama block, RoPE
     theta 500000 in float32, RMSNorm, SiLU-gated MLP, untied head) at toy sizes.
 
     Args:
@@ -208,7 +208,7 @@ def build_tiny_dream(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> DreamModel:
-    """A randomly initialised native Dream (bidirectional Qwen2 with q/k/v biases and grouped-query attention, shifted
+    """A randomly initialized native Dream (bidirectional Qwen2 with q/k/v biases and grouped-query attention, shifted
     logits) at toy sizes.
 
     Args:
@@ -253,7 +253,7 @@ def build_tiny_sdar(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> SDARForCausalLM:
-    """A randomly initialised native SDAR (Qwen3 with q/k norms, grouped-query attention, block-causal attention in
+    """A randomly initialized native SDAR (Qwen3 with q/k norms, grouped-query attention, block-causal attention in
     blocks of `block_size`, unshifted logits) at toy sizes.
 
     Args:
@@ -304,7 +304,7 @@ def build_tiny_sdar_moe(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> SDARMoeForCausalLM:
-    """A randomly initialised native SDAR-MoE (Qwen3-MoE: softmax top-k router, renormalised, no shared expert;
+    """A randomly initialized native SDAR-MoE (Qwen3-MoE: softmax top-k router, renormalized, no shared expert;
     block-causal attention) at toy sizes, its experts run by the eager kernel (the default grouped kernel refuses
     some CPU dtypes).
 
@@ -365,7 +365,7 @@ def build_tiny_llada2(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> LLaDA2MoeModelLM:
-    """A randomly initialised native LLaDA2 (GLM-4-MoE math: a dense first layer, then sigmoid group-limited routing
+    """A randomly initialized native LLaDA2 (GLM-4-MoE math: a dense first layer, then sigmoid group-limited routing
     over `num_experts` in `n_group` groups with a shared expert; q/k norms, partial RoPE 0.5; block-causal attention)
     at toy sizes, with a random non-zero expert-score bias (so that the bias's key map is exercised) and experts on the
     eager kernel.

@@ -6,7 +6,7 @@ Standard library only (`-S`: not even site-packages). Messages are lines: each i
 misbehaved). The first message from the judge is the job: `(setup, solution, rlimits)`. This process applies the
 limits to itself, runs the setup and the program, and answers `("loaded", True)` (or `False` if they raised). Each later message is a call,
 `(name, args, kwargs)`, of a function the program defines; the answer is `("ok", value)`, `("raise", exception type
-name)`, or `("unserialisable", type name)` when the value is not plain data. The judge takes any answer but
+name)`, or `("unserializable", type name)` when the value is not plain data. The judge takes any answer but
 `("ok", value)` as a failed call, whatever the name.
 
 Nothing here is trusted once the program runs: the program can rebind anything in this process and write any line.
@@ -113,7 +113,7 @@ def main():
         try:
             message = encode(reply)
         except (ValueError, RecursionError):
-            message = encode(("unserialisable", type(reply[1]).__name__))
+            message = encode(("unserializable", type(reply[1]).__name__))
         write(responses, message)
     exit_now(0)  # skip interpreter shutdown: atexit handlers and threads the program left behind
 

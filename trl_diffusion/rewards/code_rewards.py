@@ -157,7 +157,7 @@ class _Channel:
         except ValueError as error:
             raise TypeError(f"{name}(...) is called with an argument that is not plain data ({error})") from None
         reply = self.exchange(request)
-        if type(reply) is not tuple or len(reply) != 2 or reply[0] not in ("ok", "raise", "unserialisable"):
+        if type(reply) is not tuple or len(reply) != 2 or reply[0] not in ("ok", "raise", "unserializable"):
             self.sandbox.close()
             self.gone = _SandboxGone("a malformed answer")
             raise self.gone

@@ -61,7 +61,7 @@ def train(command: str, script_args: DiffusionScriptArguments, training_args, mo
         training_args:
             The trainer's config.
         model_args (`trl.ModelConfig`):
-            Model, dtype, PEFT / LoRA and quantisation.
+            Model, dtype, PEFT / LoRA and quantization.
     """
     from trl import get_quantization_config
 

@@ -35,7 +35,7 @@ class DiffusionScriptArguments(ScriptArguments):
         num_train_examples (`int`, *optional*):
             Training examples drawn from a built-in task (default: its whole training split).
         eval_every_steps (`int`, *optional*):
-            Evaluate the task accuracy every this many optimiser steps and at the end
+            Evaluate the task accuracy every this many optimizer steps and at the end
             ([`~trl_diffusion.evaluation.TaskEvaluationCallback`]), logged as `eval/<task>/accuracy`.
         eval_task (`str`, *optional*):
             The built-in task evaluated by `eval_every_steps` (default: `dataset_name` when it is one).
@@ -77,7 +77,7 @@ class DiffusionScriptArguments(ScriptArguments):
     )
     eval_every_steps: int | None = field(
         default=None,
-        metadata={"help": "Evaluate the task accuracy every N optimiser steps and at the end (eval/<task>/accuracy)."},
+        metadata={"help": "Evaluate the task accuracy every N optimizer steps and at the end (eval/<task>/accuracy)."},
     )
     eval_task: str | None = field(
         default=None, metadata={"help": "Built-in task evaluated by eval_every_steps (default: dataset_name)."}

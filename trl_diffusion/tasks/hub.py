@@ -13,22 +13,11 @@ from ..rewards.utils import last_boxed
 from .prompts import code_prompt, gsm8k_prompt, math_prompt
 
 
-def __getattr__(name: str):
-    # `PROCEDURAL_TASKS` was a hand-kept list; it is now read from the registry (which imports this module).
-    if name == "PROCEDURAL_TASKS":
-        from .registry import procedural_tasks
-
-        return procedural_tasks()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class HubDatasetUnavailableError(ConnectionError):
     """A task's dataset is neither cached nor reachable on the Hugging Face Hub."""
 
 
 def _unavailable_message(repo_id: str, config: str | None, split: str) -> str:
-    from .registry import procedural_tasks
-
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     reason = "HF_HUB_OFFLINE is set" if offline else "no network connection to huggingface.co"
     config_argument = f", {config!r}" if config else ""
@@ -38,8 +27,7 @@ def _unavailable_message(repo_id: str, config: str | None, split: str) -> str:
         f"  - download it on a machine with network access, e.g. `hf download {repo_id} --repo-type "
         f"dataset --local-dir DIR` or `datasets.load_dataset({repo_id!r}{config_argument}).save_to_disk(DIR)`, copy "
         "DIR here and pass `path=DIR` to the loader (or `task.load(split, path=DIR)`);\n"
-        "  - or fill the cache by loading it once with network access (same HF_HOME);\n"
-        f"  - or train on a procedural task that needs no download: {', '.join(procedural_tasks())}."
+        "  - or fill the cache by loading it once with network access (same HF_HOME)."
     )
 
 

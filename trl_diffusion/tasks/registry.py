@@ -23,7 +23,7 @@ from ..rewards import (
 )
 from ..validation import unknown_name_message
 from .countdown import load_countdown
-from .hub import load_gsm8k, load_humaneval, load_math, load_mbpp
+from .hub import HubDatasetUnavailableError, load_gsm8k, load_humaneval, load_math, load_mbpp
 from .largest_digit import load_largest_digit
 from .metrics import CodePassRate, CountdownAccuracy, LargestDigitAccuracy, MathAccuracy, SudokuAccuracy
 from .sudoku import load_sudoku
@@ -91,7 +91,12 @@ class Task:
         """
         if split not in self.splits:
             raise ValueError(f"Task {self.name!r} has splits {self.splits}, not {split!r}.")
-        return self.loader(split=split, num_examples=num_examples, seed=seed, **kwargs)
+        try:
+            return self.loader(split=split, num_examples=num_examples, seed=seed, **kwargs)
+        except HubDatasetUnavailableError as error:
+            raise HubDatasetUnavailableError(
+                f"{error}\n  - or train on a procedural task that needs no download: {', '.join(procedural_tasks())}."
+            ) from None
 
     def metric(self, **kwargs) -> evaluate.Metric:
         """A fresh instance of the task's `evaluate` metric (keyword arguments go to its constructor)."""

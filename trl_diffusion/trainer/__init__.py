@@ -1,7 +1,5 @@
 """The trainers: a shared GRPOTrainer base with diffusion rollouts, and one config/trainer pair per algorithm."""
 
-import warnings
-
 from .agrpo_config import AGRPOConfig
 from .agrpo_trainer import AGRPOTrainer
 from .base_config import DiffusionRLConfig
@@ -73,17 +71,3 @@ __all__ = [
     "DiffusionSFTConfig",
     "DiffusionSFTTrainer",
 ]
-
-# Old names of the shared base, one syllable from d1's `DiffuGRPOTrainer`.
-_RENAMED = {"DiffusionGRPOConfig": DiffusionRLConfig, "DiffusionGRPOTrainer": DiffusionRLTrainer}
-
-
-def __getattr__(name: str):
-    if name in _RENAMED:
-        warnings.warn(
-            f"`{name}` is renamed `{_RENAMED[name].__name__}`; the old name will be removed in a future release.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return _RENAMED[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -104,8 +104,8 @@ class AGRPOConfig(TrajectoryRLConfig):
         if self.lookahead_return_weight > 0 and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "`lookahead_return_weight` rewards the look-ahead completions with the weighted sum of the reward "
-                "functions and normalises the returns per selected index, which has no counterpart of "
-                f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` (each function normalised "
+                "functions and normalizes the returns per selected index, which has no counterpart of "
+                f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` (each function normalized "
                 "before the sum): use `multi_objective_aggregation='sum_then_normalize'`, or "
                 "`lookahead_return_weight=0`."
             )

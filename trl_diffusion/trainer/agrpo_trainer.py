@@ -106,14 +106,6 @@ class AGRPOTrainer(TrajectoryRLTrainer):
     _name = "AGRPO"
     _paper = {"title": "Simple Policy Gradients for Reasoning with Diffusion Language Models", "id": "2510.04019"}
 
-    def _generate_and_score_completions(self, inputs):
-        # The dataset rows of the rollout, for the look-ahead rewards of `_score_rollouts` (same call).
-        self._rollout_examples = inputs
-        try:
-            return super()._generate_and_score_completions(inputs)
-        finally:
-            self._rollout_examples = None
-
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         scores = super()._score_rollouts(inputs, mode)
         if self.args.lookahead_return_weight > 0 and mode == "train":
@@ -163,7 +155,7 @@ class AGRPOTrainer(TrajectoryRLTrainer):
         fills = self.greedy_fills(inputs, rows, slot_transition.flatten())
         completion_ids = cut_at_terminator(fills, self.eos_token_ids)
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        examples = [self._rollout_examples[row] for row in rows.tolist()]
+        examples = [self._handoff.examples[row] for row in rows.tolist()]
         prompts = [example["prompt"] for example in examples]
         if is_conversational(examples[0]):
             completions = [[{"role": "assistant", "content": text}] for text in texts]
@@ -173,7 +165,7 @@ class AGRPOTrainer(TrajectoryRLTrainer):
         rewards_per_func = GRPOTrainer._calculate_rewards(self, examples, prompts, completions, completion_ids)
         lookahead = self.weighted_rewards(rewards_per_func)
         advantages = stepwise_advantages(
-            self._rollout_rewards,
+            self.weighted_rewards(self._handoff.rewards_per_func),
             lookahead.view(-1, slots),
             self.accelerator.gather(slot_valid),
             self.num_generations,

@@ -4,7 +4,7 @@ and advantage settings of the shared base."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 from trl import GRPOConfig
@@ -20,26 +20,6 @@ from ..validation import (
     choose_config_defaults,
     integer,
     number,
-)
-
-# The sampler settings a trainer config carries, under the sampler's own names. `max_completion_length` and
-# `temperature` are also TRL's fields: the sampler reads TRL's values, as TRL's `GRPOConfig` flattens its own
-# generation settings.
-SAMPLER_FIELDS = (
-    "max_completion_length",
-    "block_length",
-    "diffusion_steps",
-    "remasking",
-    "schedule",
-    "temperature",
-    "cfg_scale",
-    "threshold",
-    "early_stop",
-    "defer_terminators",
-    "eos_rejection_min",
-    "eos_rejection_max",
-    "running_confidence",
-    "generation_cache",
 )
 
 
@@ -108,12 +88,10 @@ def check_public_estimator_fields(config) -> None:
 class DiffusionRLConfig(GRPOConfig):
     r"""
     Configuration shared by the trl_diffusion RL trainers: TRL's [`~trl.GRPOConfig`] plus the diffusion sampler that
-    generates the rollouts. The sampler fields are [`DiffusionGenerationConfig`]'s, under the same names
-    (`SAMPLER_FIELDS`): `max_completion_length` is the canvas length L, `temperature` the sampling temperature of
-    the denoiser (TRL's default 1.0), and `block_length`, `diffusion_steps`, `remasking`, `schedule`, `cfg_scale`,
-    `threshold`, `early_stop`, `defer_terminators`, `eos_rejection_min`, `eos_rejection_max` (CJ-GRPO's EOS early
-    rejection), `running_confidence` (MDPO's running-confidence remasking) and `generation_cache` are documented
-    there.
+    generates the rollouts. The sampler fields (`SAMPLER_FIELDS`, declared with `sampler_field`) are
+    [`DiffusionGenerationConfig`]'s, under the same names, with its defaults, help and choices, and documented
+    there; `max_completion_length` is the canvas length L, `temperature` the sampling temperature of the denoiser
+    (TRL's default 1.0).
     `to_generation_config()` returns the sampler's config.
 
     Parameters of the rollouts:
@@ -142,6 +120,8 @@ class DiffusionRLConfig(GRPOConfig):
         "max_completion_length", default=512, note="(TRL's field: cut after its first terminator for TRL.)"
     )
     temperature: float = sampler_field("temperature", default=1.0)
+    top_k: int = sampler_field("top_k")
+    top_p: float = sampler_field("top_p")
     block_length: int = sampler_field("block_length")
     diffusion_steps: int | None = sampler_field("diffusion_steps")
     remasking: str = sampler_field("remasking")
@@ -189,10 +169,8 @@ class DiffusionRLConfig(GRPOConfig):
         "use_vllm": ((False,), "vLLM has no masked-diffusion sampler; rollouts come from the built-in one"),
         "use_transformers_continuous_batching": ((False,), "continuous batching decodes autoregressively"),
         "use_liger_kernel": ((False,), "Liger's fused kernels assume a causal language-model head"),
-        "top_p": ((1.0,), "the diffusion sampler samples with `temperature` only"),
-        "top_k": ((0, None), "the diffusion sampler samples with `temperature` only"),
-        "min_p": ((None, 0.0), "the diffusion sampler samples with `temperature` only"),
-        "repetition_penalty": ((1.0,), "the diffusion sampler samples with `temperature` only"),
+        "min_p": ((None, 0.0), "the diffusion sampler filters with `top_k` and `top_p` only"),
+        "repetition_penalty": ((1.0,), "the diffusion sampler has no repetition penalty"),
         **_trl_defaults(
             {
                 _VLLM_FIELDS: "a setting of TRL's vLLM generation, which the diffusion trainers do not use",
@@ -222,7 +200,7 @@ class DiffusionRLConfig(GRPOConfig):
             optional=True,
             note="two-sided clipping's cap of the ratio, TRL recommends more than 1 + epsilon; None is off",
         ),
-        "num_iterations": integer(1, note="optimisation passes over each rollout batch"),
+        "num_iterations": integer(1, note="optimization passes over each rollout batch"),
         "num_generations": integer(2, note="completions per prompt, which the advantages compare"),
         "num_generations_eval": integer(1, optional=True, note="None is `num_generations`"),
         "generation_batch_size": integer(1, optional=True),
@@ -235,7 +213,7 @@ class DiffusionRLConfig(GRPOConfig):
         "ref_model_mixup_alpha": number(0, 1),
         "ref_model_sync_steps": integer(1),
         "top_entropy_quantile": number(0, 1, note="1 keeps every token"),
-        # A negative coefficient (entropy minimisation) is a legitimate objective.
+        # A negative coefficient (entropy minimization) is a legitimate objective.
         "entropy_coef": number(note="0 disables the entropy bonus"),
         "entropy_coef_min": number(),
         "entropy_coef_max": number(),
@@ -267,6 +245,16 @@ class DiffusionRLConfig(GRPOConfig):
     def to_generation_config(self) -> DiffusionGenerationConfig:
         """The [`DiffusionGenerationConfig`] of the rollouts."""
         return DiffusionGenerationConfig(**{name: getattr(self, name) for name in SAMPLER_FIELDS})
+
+
+# The sampler settings a trainer config carries: the fields of `DiffusionGenerationConfig` that `DiffusionRLConfig`
+# declares (with `sampler_field`), in the sampler's order. `max_completion_length` and `temperature` are also TRL's
+# fields: the sampler reads TRL's values, as TRL's `GRPOConfig` flattens its own generation settings.
+SAMPLER_FIELDS = tuple(
+    sampler.name
+    for sampler in fields(DiffusionGenerationConfig)
+    if sampler.name in vars(DiffusionRLConfig)["__annotations__"]
+)
 
 
 @dataclass

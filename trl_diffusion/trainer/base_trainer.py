@@ -16,7 +16,6 @@ processes compute exactly what one process computes over the same global batch.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -31,7 +30,6 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 from trl import GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import RepeatSampler, get_config_model_id, pad, use_adapter
 
 from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
@@ -41,6 +39,7 @@ from ..models.adapter import DiffusionAdapter
 from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, derive_seed
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
 from .base_config import DiffusionRLConfig
+from .contract import CHECKED_VERSIONS, contract_drift
 from .utils import (
     EpochSeededRepeatSampler,
     FinishedRunMixin,
@@ -49,7 +48,9 @@ from .utils import (
     check_processing_class,
     guard_reward_function,
     linear_layer_names,
+    remove_fused_lm_head,
     trl_checkpointing_deprecations_silenced,
+    unwrapped_for_generation,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,105 +58,45 @@ logger = logging.getLogger(__name__)
 # Per process, in a checkpoint: the rollout round in progress and the counters that drive it.
 ROLLOUT_STATE_NAME = "rollout_state_{}.pt"
 
-# The TRL (and transformers) methods that `TRLContractMixin` (and LFPO, `_save_checkpoint`) overrides, with the
-# parameters of the version it was checked against (TRL 1.16.0, transformers 5.24.0). `tests/test_trl_contract.py`
-# fails when one of them changes.
-TRL_CONTRACT = {  # fmt: skip
-    "_tokenize_prompts": ("self", "prompts"),
-    "_generate_single_turn": (
-        "self",
-        "prompt_ids",
-        "images",
-        "multimodal_fields",
-        "num_generations",
-        "has_tool_images",
-    ),
-    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
-    "_generate_and_score_completions": ("self", "inputs"),
-    "_get_per_token_logps_and_entropies": (
-        "self",
-        "model",
-        "input_ids",
-        "attention_mask",
-        "logits_to_keep",
-        "batch_size",
-        "compute_entropy",
-        "compute_aux_loss",
-        "pixel_values",
-        "image_grid_thw",
-        "num_images",
-        "pixel_attention_mask",
-        "spatial_shapes",
-        "num_tiles",
-        "image_sizes",
-        "token_type_ids",
-        "mm_token_type_ids",
-        "image_position_ids",
-    ),  # fmt: skip
-    "_prepare_inputs": ("self", "generation_batch"),
-    "_compute_loss": ("self", "model", "inputs"),
-    "training_step": ("self", "model", "inputs", "num_items_in_batch"),
-    "_save_checkpoint": ("self", "model", "trial"),
-    "_get_train_sampler": ("self", "dataset"),
-    "_save_rng_state": ("self", "output_dir"),
-    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-    "_run_epoch": (
-        "self",
-        "model",
-        "epoch",
-        "train_dataloader",
-        "steps_in_epoch",
-        "num_update_steps_per_epoch",
-        "trial",
-        "ignore_keys_for_eval",
-        "start_time",
-        "resume_from_checkpoint",
-        "epochs_trained",
-        "steps_trained_in_current_epoch",
-    ),
-}
-
-
-TRL_ATTRIBUTES = (
-    "_step",
-    "_buffered_inputs",
-    "_metrics",
-    "_current_train_step_time",
-    "_tokenizer",
-    "pad_to_multiple_of",
-    "eos_token_ids",
-    "num_generations",
-    "num_generations_eval",
-    "num_iterations",
-    "reward_func_names",
-    "ref_model",
-    "_dist",
-)
-
 
 @dataclass
-class RolloutHandoff:
-    """What the contract's overrides hand to each other inside one call of TRL's `_generate_and_score_completions`,
-    where TRL's call order leaves no way to pass data on the batch.
+class Handoff:
+    """What the overrides hand to each other inside one call into TRL, where TRL's call order leaves no way to pass
+    data on the batch: a rollout round (`_generate_and_score_completions`, which calls the sampler, the rewards and
+    `_score_rollouts`) or TRL's token-level loss (`_compute_loss`, which calls `_get_per_token_logps_and_entropies`).
+    Set by [`TRLContractMixin.handoff`] for the duration of the call, and reset when it returns.
 
     Args:
+        examples (`list[dict]`, *optional*):
+            The dataset rows of the rollout round, as TRL received them (AGRPO's look-ahead rewards).
         rollout ([`DiffusionGenerationOutput`], *optional*):
             The sampler's output (full canvases and commit steps), from `_generate_single_turn`.
         mask_seeds (`torch.LongTensor` of shape `(batch,)`, *optional*):
             Per-row seeds of the Monte Carlo masks, from `_generate_single_turn`.
-        scored_rows (`torch.BoolTensor` of shape `(global batch,)`, *optional*):
-            Which completions (gathered over processes) some reward function scored, from `_calculate_rewards`.
+        rewards_per_func (`torch.FloatTensor` of shape `(global batch, reward functions)`, *optional*):
+            The rewards gathered over processes, NaN where unscored (infinite ones included), from
+            `_calculate_rewards`.
+        loss_batch (`dict`, *optional*):
+            The micro-batch whose loss TRL's `_compute_loss` computes, read by `_get_per_token_logps_and_entropies`.
     """
 
+    examples: list[dict] | None = None
     rollout: DiffusionGenerationOutput | None = None
     mask_seeds: torch.LongTensor | None = None
-    scored_rows: torch.BoolTensor | None = None
+    rewards_per_func: torch.Tensor | None = None
+    loss_batch: dict | None = None
+
+    @property
+    def scored_rows(self) -> torch.BoolTensor:
+        """Which completions (gathered over processes) some reward function scored, shape `(global batch,)`."""
+        return ~torch.isnan(self.rewards_per_func).all(dim=1)
 
 
 class TRLContractMixin:
     """Every override of a private method of TRL's `GRPOTrainer` (and of transformers' `Trainer`), in one place.
-    Checked against TRL 1.16.0 and transformers 5.24.0 (`TRL_CONTRACT` lists the signatures; a test fails loudly
-    when one changes). It relies on this call order:
+    Every private upstream name the package overrides, calls or reads is listed, with its parameters and reason, in
+    [`~trl_diffusion.trainer.contract.CONTRACT`] (checked against TRL 1.16.0 and transformers 5.25.0; a test fails
+    loudly when one changes). It relies on this call order:
 
     - `_prepare_inputs` (once per micro-batch) calls, once per rollout round, `_generate_and_score_completions`,
       which calls `_generate` -> `_tokenize_prompts` (truncated to `max_prompt_length` here) and
@@ -164,12 +105,12 @@ class TRLContractMixin:
       left in the handoff), then TRL's advantages, then, for its old and reference log-probs,
       `_get_per_token_logps_and_entropies` (a zero placeholder here: the trainers score the canvas themselves, in
       `_score_rollouts`, which this override calls once TRL's method returns, and the placeholders are dropped).
-      State crosses these calls in one place only, `self._rollout_handoff` ([`RolloutHandoff`]), set for the
-      duration of the call.
+      State crosses these calls in one place only, `self._handoff` ([`Handoff`]), set by `handoff` for the
+      duration of the call and reset when it returns; `_score_rollouts` runs inside it.
     - `_prepare_inputs` then returns TRL's buffered micro-batch, to which this override adds the inner iteration.
     - `training_step` calls `compute_loss` -> `_compute_loss` (the subclass's objective). TRL's token-level loss,
       which d1's trainer reuses, calls `_get_per_token_logps_and_entropies` with the model inputs only: the batch
-      it belongs to is lent for that call through `trl_loss_batch` (`self._trl_loss_batch`), and the trainer's
+      it belongs to is lent for that call through the same `handoff` (`loss_batch`), and the trainer's
       `_completion_logps` receives it as an argument. For an objective back-propagated part by part
       (`backward_in_pieces`), `training_step` is replaced: see its docstring.
     - `_get_train_sampler` returns TRL's sampler seeded per epoch ([`EpochSeededRepeatSampler`]), so that a resumed
@@ -178,15 +119,20 @@ class TRLContractMixin:
       reward-failure counters to checkpoints (the model card comes with `save_model`, which the checkpoint calls:
       `trl_diffusion.model_card.DiffusionModelCardMixin`).
     - `_run_epoch` (transformers'; [`FinishedRunMixin`]) trains nothing when the run resumed at `max_steps`.
-
-    It also reads and writes these attributes of TRL's trainer (`TRL_ATTRIBUTES`, checked by the same test): the
-    micro-step counter `_step` and the rollout buffer `_buffered_inputs` (resume inside a rollout round),
-    `_metrics` and `_current_train_step_time` (logging), `_tokenizer`, `pad_to_multiple_of`, `eos_token_ids`,
-    `num_generations` / `num_generations_eval`, `num_iterations`, `reward_func_names`, `ref_model` and `_dist`.
     """
 
-    _rollout_handoff: RolloutHandoff | None = None
-    _trl_loss_batch: dict | None = None
+    _handoff: Handoff | None = None
+
+    @contextmanager
+    def handoff(self, **values) -> Iterator[Handoff]:
+        """`self._handoff = Handoff(**values)` for the duration of one call into TRL, reset when it returns."""
+        if self._handoff is not None:
+            raise RuntimeError("A call into TRL started while another one's handoff was open.")
+        self._handoff = Handoff(**values)
+        try:
+            yield self._handoff
+        finally:
+            self._handoff = None
 
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
@@ -200,7 +146,7 @@ class TRLContractMixin:
         if images is not None or multimodal_fields:
             raise ValueError("Multimodal prompts are not supported by the diffusion sampler.")
         rollout, mask_seeds = self.generate_rollout(prompt_ids)
-        self._rollout_handoff.rollout, self._rollout_handoff.mask_seeds = rollout, mask_seeds
+        self._handoff.rollout, self._handoff.mask_seeds = rollout, mask_seeds
         return cut_at_terminator(rollout.completion_ids, self.eos_token_ids), None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -215,56 +161,57 @@ class TRLContractMixin:
             self._metrics[mode][f"rewards/{name}/infinite"].append(float(infinite[:, index].sum()))
         if mode == "train":
             self._check_failed_reward_functions(torch.isnan(rewards_per_func).all(dim=0).tolist())
-        self._rollout_handoff.scored_rows = ~torch.isnan(rewards_per_func).all(dim=1)
+        self._handoff.rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._trl_loss_batch is None:
+        if self._handoff is None or self._handoff.loss_batch is None:
             # TRL's old/reference pass over its cut batch at generation time: the trainers compute their own terms on
             # the generated canvas in `_score_rollouts` instead, so this placeholder is dropped unused.
             return torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device), None, None
         return self._completion_logps(
-            model, self._trl_loss_batch, logits_to_keep, compute_entropy=kwargs.get("compute_entropy", False)
+            model, self._handoff.loss_batch, logits_to_keep, compute_entropy=kwargs.get("compute_entropy", False)
         )
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
-        self._rollout_handoff = RolloutHandoff()
-        try:
+        self.start_rollout_round(mode)
+        with self.handoff(examples=inputs) as handoff:
             with trl_checkpointing_deprecations_silenced():
                 output = super()._generate_and_score_completions(inputs)
-            handoff = self._rollout_handoff
-        finally:
-            self._rollout_handoff = None
-        if mode == "eval":
-            self._eval_rollouts += 1
-        output.pop("old_per_token_logps", None)
-        output.pop("ref_per_token_logps", None)
-        rollout = handoff.rollout
-        # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
-        output["completion_canvas"] = rollout.completion_ids
-        output["mask_seeds"] = handoff.mask_seeds
-        output["commit_step"] = rollout.commit_step
-        if rollout.commit_logprob is not None:
-            # Recorded when a trajectory-level trainer's sampler config asks for it (`record_commit_logprobs`).
-            output["commit_logprob"] = rollout.commit_logprob
-            output["commit_entropy"] = rollout.commit_entropy
-            output["commit_sampled"] = rollout.commit_sampled
-        # Whether some reward function scored the row (TRL gives the others advantage 0), this process's slice.
-        num_rows = rollout.completion_ids.shape[0]
-        first_row = self.accelerator.process_index * num_rows
-        output["scored_rows"] = handoff.scored_rows[first_row : first_row + num_rows]
-        if self.args.leave_one_out:
-            output["advantages"] = self.leave_one_out_advantages(output["advantages"], handoff.scored_rows, mode)
+            if mode == "eval":
+                self._eval_rollouts += 1
+            output.pop("old_per_token_logps", None)
+            output.pop("ref_per_token_logps", None)
+            rollout = handoff.rollout
+            # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
+            output["completion_canvas"] = rollout.completion_ids
+            output["mask_seeds"] = handoff.mask_seeds
+            output["commit_step"] = rollout.commit_step
+            if rollout.commit_logprob is not None:
+                # Recorded when a trajectory-level trainer's sampler config asks for it (`record_commit_logprobs`).
+                output["commit_logprob"] = rollout.commit_logprob
+                output["commit_entropy"] = rollout.commit_entropy
+                output["commit_sampled"] = rollout.commit_sampled
+            # Whether some reward function scored the row (TRL gives the others advantage 0), this process's slice.
+            scored_rows = handoff.scored_rows
+            num_rows = rollout.completion_ids.shape[0]
+            first_row = self.accelerator.process_index * num_rows
+            output["scored_rows"] = scored_rows[first_row : first_row + num_rows]
+            if self.args.leave_one_out:
+                output["advantages"] = self.leave_one_out_advantages(output["advantages"], scored_rows, mode)
 
-        metrics = self._metrics[mode]
-        metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
-        metrics["diffusion/tokens_per_forward"].append(rollout.tokens_per_forward)
-        for name in self.reward_func_names:
-            metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
+            metrics = self._metrics[mode]
+            metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
+            metrics["diffusion/tokens_per_forward"].append(rollout.tokens_per_forward)
+            for name in self.reward_func_names:
+                metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
 
-        with torch.no_grad(), activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
-            output.update(self._score_rollouts(output, mode))
+            with (
+                torch.no_grad(),
+                activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs),
+            ):
+                output.update(self._score_rollouts(output, mode))
         return output
 
     def _prepare_inputs(self, generation_batch):
@@ -275,26 +222,17 @@ class TRLContractMixin:
         # The inner iteration keys the Monte Carlo masks: each pass over the same rollouts draws fresh ones.
         return {**inputs, "inner_iteration": iteration}
 
-    @contextmanager
-    def trl_loss_batch(self, inputs: dict):
-        """Lends `inputs` to `_completion_logps` for the duration of a call of TRL's `_compute_loss`."""
-        self._trl_loss_batch = inputs
-        try:
-            yield
-        finally:
-            self._trl_loss_batch = None
-
     def training_step(self, model, inputs, num_items_in_batch=None):
         """TRL's training step, or, for `backward_in_pieces` objectives, one forward and backward per part of the
         loss, gradients accumulating across parts so that activation memory is that of one part.
 
-        Only the last part of the micro-batch that ends an accumulation cycle synchronises gradients: under DDP the
+        Only the last part of the micro-batch that ends an accumulation cycle synchronizes gradients: under DDP the
         others run in `no_sync` (forward included); under DeepSpeed they are marked as inside the accumulation
         boundary through accelerate's private `GradientState._set_sync_gradients` (its backward would otherwise
-        step the optimiser after the first part). The piecewise step replaces transformers' `Trainer.training_step`
+        step the optimizer after the first part). The piecewise step replaces transformers' `Trainer.training_step`
         and keeps of it `torch_empty_cache_steps` and the DeepSpeed loss scaling; the trainer refuses at
         construction what it does not carry over: context parallelism, SageMaker model parallelism and the LOMO /
-        AdaLOMO optimisers (see docs/scaling.md).
+        AdaLOMO optimizers (see docs/scaling.md).
         """
         if not self.backward_in_pieces:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -367,12 +305,17 @@ class TRLContractMixin:
             "failed_reward_steps": dict(self._failed_reward_steps),
         }
         torch.save(state, os.path.join(output_dir, ROLLOUT_STATE_NAME.format(self.accelerator.process_index)))
+        self.save_checkpoint_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        # Called once on every resume, whatever the backend.
+        # Called once on every resume, whatever the backend (the model weights are loaded by then).
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        self._load_rollout_state(checkpoint)
+        self.load_checkpoint_state(checkpoint)
+
+    def _load_rollout_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(self.accelerator.process_index))
         if not os.path.isfile(path):
             logger.warning(
@@ -397,16 +340,6 @@ class TRLContractMixin:
             self._buffered_inputs = [batch_to(batch, device) for batch in state["buffered_inputs"]]
         self._eval_rollouts = state["eval_rollouts"]
         self._failed_reward_steps = dict(state["failed_reward_steps"])
-
-
-def trl_contract_drift() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-    """The overridden TRL methods whose parameters differ from `TRL_CONTRACT`: name -> (expected, installed)."""
-    drift = {}
-    for name, expected in TRL_CONTRACT.items():
-        installed = tuple(inspect.signature(getattr(GRPOTrainer, name)).parameters)
-        if installed != expected:
-            drift[name] = (expected, installed)
-    return drift
 
 
 class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, TRLContractMixin, GRPOTrainer):
@@ -459,11 +392,12 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
         environment_factory=None,
     ):
         check_processing_class(model, processing_class, type(self).__name__)
-        drift = trl_contract_drift()
+        drift = contract_drift()
         if drift:
             logger.warning(
-                "The installed TRL changed methods that trl_diffusion overrides (checked against TRL 1.16.0): %s. "
-                "Install the pinned version (`pip install 'trl==1.16.*'`).",
+                "The installed TRL / transformers / accelerate changed methods that trl_diffusion overrides or calls "
+                "(checked against %s): %s. Install the pinned versions (`pip install 'trl==1.16.*'`).",
+                ", ".join(f"{name} {version}" for name, version in CHECKED_VERSIONS.items()),
                 ", ".join(sorted(drift)),
             )
         if args is None:
@@ -540,6 +474,8 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
                 + ". Set `target_modules` (`--lora_target_modules`) to some of these names, or to 'all-linear'."
             ) from None
 
+        remove_fused_lm_head(self.model)
+        remove_fused_lm_head(self.ref_model)
         # TRL enables a MoE model's load-balancing loss with the architecture's coefficient when the config leaves
         # `router_aux_loss_coef` unset; the diffusion objectives add none (a set coefficient is refused).
         self.aux_loss_enabled = False
@@ -579,7 +515,7 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
             is not None
             and getattr(args.parallelism_config, "cp_enabled", False),
             "SageMaker model parallelism": is_sagemaker_mp_enabled(),
-            f"the `optim={args.optim!r}` optimiser (LOMO / AdaLOMO update inside the backward)": args.optim
+            f"the `optim={args.optim!r}` optimizer (LOMO / AdaLOMO update inside the backward)": args.optim
             in (OptimizerNames.LOMO, OptimizerNames.ADALOMO),
         }
         for feature, enabled in refused.items():
@@ -629,7 +565,7 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
     def _rollout_row_keys(self, num_rows: int) -> list[int]:
         """One key per rollout row, from (seed, the rollout's place in training, the row's global index)."""
         if self.model.training:
-            # The micro-batch's index within its optimiser step, not the raw `_step` counter: `_step` restarts at 0
+            # The micro-batch's index within its optimizer step, not the raw `_step` counter: `_step` restarts at 0
             # when training resumes from a checkpoint, and the resumed run must draw the rollouts it would have drawn.
             micro_batch = self._step % self.args.gradient_accumulation_steps
             rollout_key = derive_seed(self.args.seed, ROLLOUT_TRAIN, self.state.global_step, micro_batch)
@@ -642,16 +578,7 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
     def rollout_policy(self):
         """The model that generates rollouts: the trained policy, unwrapped for generation inside TRL's context
         managers (activation checkpointing off, ZeRO-3 parameters gathered once for the whole denoising loop)."""
-        with (
-            trl_checkpointing_deprecations_silenced(),
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=self.args.activation_checkpointing_kwargs,
-            ) as unwrapped_model,
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
-        ):
+        with unwrapped_for_generation(self) as unwrapped_model:
             yield unwrapped_model
 
     # ------------------------------------------------------------------ rewards and advantages
@@ -711,6 +638,18 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
         return advantages * factor[start : start + advantages.shape[0]].to(advantages.device)
 
     # ------------------------------------------------------------------ what a subclass defines
+
+    def start_rollout_round(self, mode: str) -> None:
+        """Called once per rollout round, before its rollouts are generated (`mode` is "train" or "eval"). The base
+        class does nothing; LFPO moves its old policy here."""
+
+    def save_checkpoint_state(self, checkpoint: str) -> None:
+        """Called on every process when a checkpoint is written (the directory exists), for training state of the
+        subclass's own that the Trainer does not save. The base class saves nothing more."""
+
+    def load_checkpoint_state(self, checkpoint: str) -> None:
+        """Called on every process when a run resumes from `checkpoint`, after the model and optimizer are loaded.
+        The base class loads nothing more."""
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         """Computes, under no_grad and once per rollout batch, what the objective needs from the old and reference
@@ -788,7 +727,7 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
     @property
     def is_off_policy(self) -> bool:
         """Whether the policy that is updated may differ from the one that generated the rollouts (rollouts are
-        reused across optimiser steps), so that old-policy terms must be computed at generation time (TRL's rule)."""
+        reused across optimizer steps), so that old-policy terms must be computed at generation time (TRL's rule)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         return self.args.gradient_accumulation_steps % generate_every != 0
 

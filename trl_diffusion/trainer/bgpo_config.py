@@ -23,7 +23,7 @@ class BGPOConfig(SequenceELBOConfig):
             falls with it. At most `num_mc_samples`.
 
     With `clip_sequence_ratio`, each sample's ratio `r_j` is PPO-clipped (the clipped objective is still a lower
-    bound). The paper's recipe (`num_iterations=1`, one optimiser step per rollout batch) is on-policy, where clipping
+    bound). The paper's recipe (`num_iterations=1`, one optimizer step per rollout batch) is on-policy, where clipping
     has no effect. TRL's `delta` and `off_policy_mask_threshold` are refused (see `unsupported_fields`).
     """
 

@@ -12,7 +12,7 @@ class BGPOTrainer(SequenceELBOTrainer):
     r"""Boundary-Guided Policy Optimization for masked diffusion language models.
 
     The ELBO objective `A * exp(mean_j d_j)`, `d_j = (l_theta(j) - l_old(j)) / N`, is non-linear in the Monte Carlo
-    samples, so its gradient needs all their graphs at once. BGPO maximises a lower bound that is a sum over samples,
+    samples, so its gradient needs all their graphs at once. BGPO maximizes a lower bound that is a sum over samples,
     `sum_j g_j` with `g_j = A * r_j / n_t`, `r_j = 1 + d_j` for `A >= 0` (tangent: `e^x >= 1 + x`) and
     `r_j = exp(d_j)` for `A < 0` (Jensen): each sample gets its own forward and backward inside `training_step`, and
     activation memory stays that of one sample whatever `num_mc_samples`. With `mc_samples_per_backward` k > 1, k
@@ -63,7 +63,7 @@ class BGPOTrainer(SequenceELBOTrainer):
         old_terms = self.iteration_terms(inputs, "old_elbo_terms")
         # On-policy the old term is the current one, detached: no extra forward pass.
         old = terms.detach() if old_terms is None else old_terms[:, mc_indices]
-        d = (terms - old) / self.elbo_normaliser(inputs)[:, None]
+        d = (terms - old) / self.elbo_normalizer(inputs)[:, None]
         clamp_hits = (d > MAX_LOG_RATIO) & (advantages < 0)
         ratio = torch.where(advantages >= 0, 1 + d, torch.exp(d.clamp(max=MAX_LOG_RATIO)))
         bound = self.clipped_objective(ratio, advantages) / num_samples

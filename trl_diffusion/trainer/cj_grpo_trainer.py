@@ -5,7 +5,7 @@ from .trajectory_trainer import TrajectoryRLTrainer
 
 
 class CJGRPOTrainer(TrajectoryRLTrainer):
-    r"""CJ-GRPO: GRPO on every transition the sampler made, so that the optimised trajectory is the rollout's.
+    r"""CJ-GRPO: GRPO on every transition the sampler made, so that the optimized trajectory is the rollout's.
 
     What it changes w.r.t. [`TrajectoryRLTrainer`]: only the defaults of [`CJGRPOConfig`] (every step, Eq. 11, the
     k3 KL to the reference, and the ascending step-size schedule with EOS early rejection in the sampler). With

@@ -13,7 +13,7 @@ class ESPOConfig(SequenceELBOConfig):
     Configuration of [`ESPOTrainer`] (ELBO-based Sequence-level Policy Optimization). Every field of
     [`SequenceELBOConfig`] (and so of [`DiffusionRLConfig`] and TRL's `GRPOConfig`) applies, with ESPO's defaults:
     `mask_sampler="coupled"` with `num_mc_samples=2` pairs, `elbo_region="canvas"` and `length_norm="canvas"` (the
-    ratio is normalised by the generation length L), `clip_sequence_ratio=True` with `epsilon=0.2`, `beta=1e-3`,
+    ratio is normalized by the generation length L), `clip_sequence_ratio=True` with `epsilon=0.2`, `beta=1e-3`,
     `num_iterations=8`, `scale_rewards="none"`, `learning_rate=3e-6`. The paper's per-task values: beta 1e-3 (GSM8K,
     MATH), 3e-3 (Countdown, with epsilon 0), 1e-2 (Sudoku, code); LoRA r=128, alpha=64; temperature 1.0; block 32.
 
@@ -44,12 +44,12 @@ class ESPOConfig(SequenceELBOConfig):
     )
     num_mc_samples: int = field(default=2, metadata={"help": "Monte Carlo pairs of the coupled ELBO per completion."})
     clip_sequence_ratio: bool = field(
-        default=True, metadata={"help": "Clip the per-token-normalised sequence ratio with epsilon / epsilon_high."}
+        default=True, metadata={"help": "Clip the per-token-normalized sequence ratio with epsilon / epsilon_high."}
     )
     beta: float = field(
         default=1e-3, metadata={"help": "KL coefficient (ESPO: 1e-3 math, 3e-3 Countdown, 1e-2 Sudoku)."}
     )
-    num_iterations: int = field(default=8, metadata={"help": "Optimisation passes over each rollout batch (mu)."})
+    num_iterations: int = field(default=8, metadata={"help": "Optimization passes over each rollout batch (mu)."})
     scale_rewards: str = field(
         default="none", metadata={"help": "Advantage scaling: group, batch or none (ESPO: none)."}
     )

@@ -140,7 +140,7 @@ class JustGRPOConfig(DiffusionRLConfig):
         "scale_rewards": (("group",), "the public code's advantage is `(r - mean) / (std + 1e-4)` over the group"),
         "multi_objective_aggregation": (
             ("sum_then_normalize",),
-            "the public code's advantage normalises the reward within its group",
+            "the public code's advantage normalizes the reward within its group",
         ),
         "leave_one_out": ((False,), "the public code's baseline is the group mean"),
     }

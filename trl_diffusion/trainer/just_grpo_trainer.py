@@ -190,7 +190,7 @@ class JustGRPOTrainer(DiffusionRLTrainer):
         ):
             if stored in inputs:
                 inputs[trl_key] = inputs[stored]
-        with self.trl_loss_batch(inputs):
+        with self.handoff(loss_batch=inputs):
             return super()._compute_loss(model, inputs)
 
     def public_loss(self, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor, mode: str) -> torch.Tensor:

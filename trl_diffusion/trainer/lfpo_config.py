@@ -2,7 +2,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..generation import DiffusionGenerationConfig
-from ..utils.deprecation import renamed_fields
 from ..validation import FieldRule, check_field_rules, choice, integer, number
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
@@ -10,7 +9,6 @@ LFPO_VARIANTS = ("all", "positive", "negative")
 LFPO_STATE_SOURCES = ("trajectory", "forward")
 
 
-@renamed_fields({"lfpo_block_size": "lfpo_group_size"})
 @dataclass
 class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
     r"""
@@ -19,7 +17,7 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
     except TRL's loss options: `beta` (the KL coefficient) must stay 0, `mask_truncated_completions`
     applies (completions without a terminator are left out of the loss), and the ratio, clipping and token-level
     options are refused (see `unsupported_fields`). Defaults follow the paper where it departs from TRL:
-    `weight_decay=0.01`, `warmup_steps=0.1` (a value below 1 is a fraction of the optimiser steps: the paper's
+    `weight_decay=0.01`, `warmup_steps=0.1` (a value below 1 is a fraction of the optimizer steps: the paper's
     warm-up ratio 0.1). The paper's recipe also uses `num_generations=10`, `learning_rate=1e-6`,
     `max_grad_norm=1.0` and `max_completion_length=512`; its inference preset is
     [`lfpo_inference_config`] (in this file).
@@ -44,9 +42,9 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         ema_alpha (`float`, *optional*):
             Fixed EMA coefficient a of the old policy, `theta_old <- a theta_old + (1 - a) theta`, applied once per
             rollout round before the rollout; 0 is a hard copy. `None` uses `min(ema_alpha_rate * step,
-            ema_alpha_max)` with `step` the optimiser steps so far.
+            ema_alpha_max)` with `step` the optimizer steps so far.
         ema_alpha_rate (`float`, *optional*, defaults to `1e-3`):
-            Growth of the scheduled EMA coefficient per optimiser step.
+            Growth of the scheduled EMA coefficient per optimizer step.
         ema_alpha_max (`float`, *optional*, defaults to `0.5`):
             Cap of the scheduled EMA coefficient.
         warmup_ratio (`float`, *optional*):
@@ -94,7 +92,7 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (LFPO: 0.01)."})
     warmup_steps: float = field(
         default=0.1,
-        metadata={"help": "Linear warm-up: optimiser steps, or a fraction of them below 1 (LFPO: 0.1 of the run)."},
+        metadata={"help": "Linear warm-up: optimizer steps, or a fraction of them below 1 (LFPO: 0.1 of the run)."},
     )
     warmup_ratio: float | None = field(
         default=None,
@@ -133,7 +131,7 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         "ema_alpha": number(0, 1, high_inclusive=False, optional=True, note="0 is a hard copy; None the schedule"),
         "ema_alpha_rate": number(0),
         "ema_alpha_max": number(0, 1, high_inclusive=False),
-        "warmup_ratio": number(0, 1, high_inclusive=False, optional=True, note="a fraction of the optimiser steps"),
+        "warmup_ratio": number(0, 1, high_inclusive=False, optional=True, note="a fraction of the optimizer steps"),
     }
 
     def __post_init__(self):

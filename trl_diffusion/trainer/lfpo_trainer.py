@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import torch
 from accelerate.utils import is_peft_model
 from safetensors.torch import load_model, save_model
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import use_adapter
 
 from ..masking import completion_region
@@ -163,7 +162,7 @@ class LFPOTrainer(DiffusionRLTrainer):
                 old.requires_grad_(False)
 
     def ema_alpha(self) -> float:
-        """The EMA coefficient of the coming update: fixed, or `min(rate * optimiser steps, max)`."""
+        """The EMA coefficient of the coming update: fixed, or `min(rate * optimizer steps, max)`."""
         if self.args.ema_alpha is not None:
             return self.args.ema_alpha
         return min(self.args.ema_alpha_rate * self.state.global_step, self.args.ema_alpha_max)
@@ -192,21 +191,14 @@ class LFPOTrainer(DiffusionRLTrainer):
         with super().rollout_policy() as unwrapped, use_adapter(unwrapped, OLD_ADAPTER):
             yield unwrapped
 
-    def _save_checkpoint(self, model, trial):
+    def save_checkpoint_state(self, checkpoint: str) -> None:
         # theta_old is training state: PEFT writes the "old" adapter next to the trained one (`old/`, which the
-        # Trainer reloads on resume); a weight copy is written here, before the Trainer's own files.
+        # Trainer reloads on resume); a weight copy is written here.
         if self.old_model is not None and self.args.should_save:
-            checkpoint = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            os.makedirs(checkpoint, exist_ok=True)
             save_model(self.old_model, os.path.join(checkpoint, OLD_POLICY_FILE))
-        super()._save_checkpoint(model, trial)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        # Called on every resume, whatever the backend (the model weights are loaded by then).
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or self.old_model is None:
+    def load_checkpoint_state(self, checkpoint: str) -> None:
+        if self.old_model is None:
             return
         path = os.path.join(checkpoint, OLD_POLICY_FILE)
         if os.path.isfile(path):
@@ -217,16 +209,15 @@ class LFPOTrainer(DiffusionRLTrainer):
             )
             self._copy_into_old_policy(alpha=0.0)
 
-    def _generate_and_score_completions(self, inputs):
-        if self.model.training:
-            # Once per rollout round, after the previous round's last optimiser step and before this rollout (also
+    def start_rollout_round(self, mode: str) -> None:
+        if mode == "train":
+            # Once per rollout round, after the previous round's last optimizer step and before this rollout (also
             # the first round of a run resumed from a checkpoint: the checkpoint holds theta_old before that update).
             if self._rollout_rounds > 0 or self.state.global_step > 0:
                 alpha = self.ema_alpha()
                 self._copy_into_old_policy(alpha)
                 self._metrics["train"]["lfpo/ema_alpha"].append(alpha)
             self._rollout_rounds += 1
-        return super()._generate_and_score_completions(inputs)
 
     # ------------------------------------------------------------------ states and loss
 
@@ -311,8 +302,8 @@ class LFPOTrainer(DiffusionRLTrainer):
 def _independent_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of `module` that computes with its own weights only.
 
-    TRL patches `forward` on the instance (its fused LM head; the fp32 LM-head cast) with closures over the original
-    module, and `copy.deepcopy` copies functions by reference: a plain deep copy would keep running the original's
+    TRL patches `forward` on the instance (the LM head's, under `cast_lm_head_to_fp32`) with closures over the
+    original module, and `copy.deepcopy` copies functions by reference: a plain deep copy would keep running the original's
     forward, i.e. the trained weights. The closures of such instance-level `forward`s are copied too, with the same
     memo, so that they point at the copy.
     """

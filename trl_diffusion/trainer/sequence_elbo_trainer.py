@@ -14,17 +14,17 @@ from __future__ import annotations
 import torch
 
 from ..likelihood import elbo_terms, stacked_elbo_terms
-from ..masking import MaskPlan, completion_region, length_normaliser, sample_masks
+from ..masking import MaskPlan, completion_region, length_normalizer, sample_masks
 from .base_trainer import DiffusionRLTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 
-# Overflow guard of exp(): an ELBO difference this large (per normalised token) means the estimate is broken anyway.
+# Overflow guard of exp(): an ELBO difference this large (per normalized token) means the estimate is broken anyway.
 MAX_LOG_RATIO = 20.0
 
 
 class SequenceELBOTrainer(DiffusionRLTrainer):
     """[`DiffusionRLTrainer`] with Monte Carlo ELBO terms: what it adds is the masks, the old and reference terms
-    (`_score_rollouts`), the normalisers, and the pieces of the sequence-ratio objectives (clipping, the off-policy
+    (`_score_rollouts`), the normalizers, and the pieces of the sequence-ratio objectives (clipping, the off-policy
     mask, ESPO's k2 penalty, the ratio metrics). It defines no objective."""
 
     config_class = SequenceELBOConfig
@@ -50,10 +50,10 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
             blocks,
         )
 
-    def elbo_normaliser(self, inputs: dict) -> torch.Tensor:
+    def elbo_normalizer(self, inputs: dict) -> torch.Tensor:
         """The divisor N of ELBO differences of each row (`length_norm`)."""
         canvas = inputs["completion_canvas"]
-        return length_normaliser(canvas, self.adapter.terminator_ids, self.args.length_norm).to(canvas.device)
+        return length_normalizer(canvas, self.adapter.terminator_ids, self.args.length_norm).to(canvas.device)
 
     def stacked_elbo_terms(self, model, inputs: dict, plan: MaskPlan, mc_indices: list[int]) -> torch.Tensor:
         """Monte Carlo terms `mc_indices` of every row from one forward pass over their stacked views, shape
@@ -84,7 +84,7 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
         no old terms were stored: on-policy) and `rho = exp(d)` under the overflow guard, whose hits are logged."""
         old_terms = self.iteration_terms(inputs, "old_elbo_terms")
         old_elbo = elbo.detach() if old_terms is None else old_terms.mean(dim=1)
-        log_ratio = (elbo - old_elbo) / self.elbo_normaliser(inputs)
+        log_ratio = (elbo - old_elbo) / self.elbo_normalizer(inputs)
         clamp_hits = (log_ratio.detach() > MAX_LOG_RATIO).float()
         self._metrics[mode]["sequence_ratio/clamp_hits"].append(self.accelerator.gather(clamp_hits).sum().item())
         return log_ratio, torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))

@@ -7,7 +7,6 @@ from typing import ClassVar
 
 from trl import SFTConfig
 
-from ..utils.deprecation import renamed_fields
 from ..validation import (
     TRAINING_ARGUMENTS_RULES,
     FieldRule,
@@ -19,7 +18,6 @@ from ..validation import (
 )
 
 
-@renamed_fields({"completion_length": "max_completion_length"})
 @dataclass
 class DiffusionSFTConfig(SFTConfig):
     r"""

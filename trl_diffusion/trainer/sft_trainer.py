@@ -29,7 +29,7 @@ from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter
 from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
-from .utils import FinishedRunMixin, check_processing_class
+from .utils import FinishedRunMixin, check_processing_class, remove_fused_lm_head
 
 # Rows read at a time when checking the lengths of a dataset.
 _LENGTH_CHECK_BATCH_SIZE = 10_000
@@ -131,7 +131,7 @@ class DataCollatorForDiffusionSFT(DataCollatorMixin):
 
 
 def _split_at_completion(example: dict) -> dict:
-    """Splits TRL's tokenized prompt + completion where its labels start (the prompt is labelled -100)."""
+    """Splits TRL's tokenized prompt + completion where its labels start (the prompt is labeled -100)."""
     labels = example["labels"]
     prompt_length = next((i for i, label in enumerate(labels) if label != -100), len(labels))
     return {"prompt_ids": example["input_ids"][:prompt_length], "completion_ids": example["input_ids"][prompt_length:]}
@@ -144,7 +144,7 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
     the mask token with probability `t`; the prompt is never masked. The model predicts the masked tokens on the canvas
     `[prompt | masked completion]`, and the loss of a completion is the cross-entropy of its masked tokens weighted by
     `1 / t`, summed and divided by the completion canvas length L (EOS fill included); the batch loss is the mean over
-    completions. The noise comes from private generators seeded by (`seed`, the optimiser step, the micro-batch, the
+    completions. The noise comes from private generators seeded by (`seed`, the optimizer step, the micro-batch, the
     process), so runs are reproducible and data-parallel ranks draw different masks; evaluation uses the same noise
     at every evaluation, so eval losses of different checkpoints are comparable.
 
@@ -169,7 +169,7 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
         peft_config:
             As in [`~trl.SFTTrainer`]. `compute_loss_func`, `compute_metrics`, `preprocess_logits_for_metrics` and
             `formatting_func` are not taken: the loss is the diffusion loss, and a formatting function would turn the
-            dataset into plain language-modelling text without a prompt.
+            dataset into plain language-modeling text without a prompt.
 
     Example:
 
@@ -252,6 +252,7 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
             peft_config=peft_config,
         )
 
+        remove_fused_lm_head(self.model)
         # TRL turns a MoE model's router logits on for its load-balancing loss, which this loss does not add.
         text_config = self.model.config.get_text_config()
         if getattr(text_config, "output_router_logits", False):
@@ -341,7 +342,7 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
     def _noise_generators(self, mode: str, batch_size: int) -> list[torch.Generator]:
         """Private CPU generators for one batch's timesteps and masks, one per row.
 
-        A training row is keyed by (seed, optimiser step, its index in the step's global batch): a run is
+        A training row is keyed by (seed, optimizer step, its index in the step's global batch): a run is
         reproducible, a run resumed from a checkpoint draws what the uninterrupted run would have, and a row draws
         the same noise whether its step's batch is split into processes or micro-batches or not (N processes with B
         rows each train like one with N * B). The global index of row r of micro-batch m on process p is

@@ -3,7 +3,7 @@ import textwrap
 import torch
 
 from ..likelihood import eubo_token_mean, view_logprobs
-from ..masking import MaskPlan, completion_region, length_normaliser, spg_code_views
+from ..masking import MaskPlan, completion_region, length_normalizer, spg_code_views
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .spg_config import SPG_CODE_P_MASK_PROMPT, SPGConfig
 
@@ -28,7 +28,7 @@ class SPGTrainer(SequenceELBOTrainer):
 
     What it changes w.r.t. [`SequenceELBOTrainer`]: `_score_rollouts` computes, once per rollout batch, each row's
     length weight `|C_i| / mean |C|` over every process's rows (so the loss does not depend on how a batch is split
-    into micro-batches and processes; SPG's code normalises each micro-batch by its own length sum) instead of old
+    into micro-batches and processes; SPG's code normalizes each micro-batch by its own length sum) instead of old
     and reference terms; `_compute_loss` is the objective. The views stay in one graph until the backward (the upper
     bound's log-mean couples them), so activation memory grows with `num_mc_samples`, as VRPO's. With
     `num_iterations > 1` the rollouts are reused without an importance ratio (SPG's recipe: 4).
@@ -78,7 +78,7 @@ class SPGTrainer(SequenceELBOTrainer):
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         """Each row's length weight `|C_i| / mean |C|`, the mean over the counted rows of every process."""
         canvas = inputs["completion_canvas"]
-        lengths = length_normaliser(canvas, self.adapter.terminator_ids, "answer").to(canvas.device)
+        lengths = length_normalizer(canvas, self.adapter.terminator_ids, "answer").to(canvas.device)
         lengths = lengths * self.completion_weights(inputs)
         gathered = self.accelerator.gather(lengths)
         counted = gathered[gathered > 0]
@@ -98,7 +98,7 @@ class SPGTrainer(SequenceELBOTrainer):
     def sandwich_bounds(self, model, inputs: dict, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(E, U)` of every row under inner iteration `iteration`'s views, each `(batch,)` in float32 with
         gradients: the per-token lower bound `mean_j w_j S(M_j) / N` (the package's ELBO estimate over
-        `elbo_normaliser`) and upper bound, or with `estimator="public"` the public code's (`public_bounds`)."""
+        `elbo_normalizer`) and upper bound, or with `estimator="public"` the public code's (`public_bounds`)."""
         if self.args.estimator == "public":
             return self.public_bounds(model, inputs, iteration)
         plan = self.mask_plan(inputs, iteration)
@@ -106,7 +106,7 @@ class SPGTrainer(SequenceELBOTrainer):
         with self.accelerator.autocast():
             logprobs = view_logprobs(model, self.adapter, prompt_ids, prompt_mask, canvas, plan).float()
         elbo = plan.weighted_sums(logprobs).mean(dim=1)
-        lower = elbo / self.elbo_normaliser(inputs)
+        lower = elbo / self.elbo_normalizer(inputs)
         return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
 
     def public_views(self, inputs: dict, iteration: int) -> tuple[MaskPlan, torch.Tensor]:
@@ -133,7 +133,7 @@ class SPGTrainer(SequenceELBOTrainer):
             logprobs = view_logprobs(
                 model, self.adapter, prompt_ids, prompt_mask, canvas, plan, prompt_masks=prompt_masks
             ).float()
-        lower = plan.weighted_sums(logprobs).mean(dim=1) / self.elbo_normaliser(inputs)
+        lower = plan.weighted_sums(logprobs).mean(dim=1) / self.elbo_normalizer(inputs)
         return lower, eubo_token_mean(logprobs, plan, self.args.eubo_beta)
 
     def _compute_loss(self, model, inputs):
@@ -152,4 +152,4 @@ class SPGTrainer(SequenceELBOTrainer):
         metrics["elbo/mean_per_token"].append(bounds[:, 0].mean().item())
         metrics["eubo/mean_per_token"].append(bounds[:, 1].mean().item())
         metrics["sandwich/gap"].append((bounds[:, 1] - bounds[:, 0]).mean().item())
-        return self.micro_batch_loss(inputs, per_completion, lower * self.elbo_normaliser(inputs), mode)
+        return self.micro_batch_loss(inputs, per_completion, lower * self.elbo_normalizer(inputs), mode)

@@ -56,7 +56,7 @@ class TokenLossTrainer(DiffusionRLTrainer):
         for policy in ("old", "ref"):
             if f"{policy}_{self.score_name}" in inputs:
                 inputs[f"{policy}_per_token_logps"] = inputs[f"{policy}_{self.score_name}"][:, iteration]
-        with self.trl_loss_batch(inputs):
+        with self.handoff(loss_batch=inputs):
             return super()._compute_loss(model, inputs)
 
     def _completion_logps(self, model, inputs: dict, logits_to_keep: int, compute_entropy: bool = False):

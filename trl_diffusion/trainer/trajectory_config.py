@@ -49,7 +49,11 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             rescores the states under no_grad when rollouts are reused; on-policy the ratio is 1 in value), or
             `sampler` (the log-probs the sampler recorded when it committed each token, AGRPO's and EGSPO's choice:
             the ratio then also corrects any difference between the rollout's and the training forward; needs
-            `transition_grouping=1`, since a merged transition is scored on an earlier state than the sampler's).
+            `transition_grouping=1`, since a merged transition is scored on an earlier state than the sampler's,
+            and no `top_k` / `top_p`: the sampler records the filtered distribution's log-probs, the training forward
+            the model's). With `recompute`, `top_k` / `top_p` rollouts are samples of the filtered policy scored
+            under the model's, as TRL's GRPO treats them; the entropy selections read the filtered distribution's
+            entropy.
         kl_target (`str`, *optional*, defaults to `"reference"`):
             The policy the `beta` term pulls towards: `reference` (TRL's reference model) or `old` (the old log-probs
             of the ratio: TraceRL's trust region).
@@ -235,6 +239,18 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
                 f"with `score_at_sampling_temperature=False` the training log-probs use temperature 1, not "
                 f"{self.temperature}, and the ratio would compare two distributions. Set "
                 "`score_at_sampling_temperature=True`, or `old_logprobs='recompute'`."
+            )
+        filters = [
+            f"`{name}={getattr(self, name)}`"
+            for name, off in (("top_k", 0), ("top_p", 1.0))
+            if getattr(self, name) != off
+        ]
+        if self.old_logprobs == "sampler" and filters:
+            raise ValueError(
+                f"`old_logprobs='sampler'` with {' and '.join(filters)}: the sampler records the log-prob under the "
+                "filtered distribution it drew from, the training log-probs are the model's unfiltered ones, and the "
+                "ratio would compare two distributions (never 1 on policy). Use `old_logprobs='recompute'`, or turn "
+                "the filter off."
             )
 
     @property

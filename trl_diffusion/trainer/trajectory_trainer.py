@@ -86,7 +86,6 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
                 "the block's later commits), so the ratio would not start at 1: use `generation_cache='none'`, or "
                 "`old_logprobs='recompute'`."
             )
-        self._rollout_rewards: torch.Tensor | None = None
         self._filtered_batches = 0  # consecutive rollout batches of which the pass-rate filter kept nothing
 
     # ------------------------------------------------------------------ rollouts
@@ -100,12 +99,6 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
                 "strategy that keeps committed tokens (low_confidence, random, entropy, margin)."
             )
         return rollout, mask_seeds
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # Read by `_score_rollouts` of the same rollout batch (TRL's order leaves the batch no room for them).
-        self._rollout_rewards = self.weighted_rewards(rewards_per_func)
-        return rewards_per_func
 
     def weighted_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         """TRL's weighted sum of the reward functions per completion, shape `(rows,)`, NaN where none scored it."""
@@ -124,14 +117,15 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         kept = (rate >= low) & (rate <= high) & scored.view(-1, group_size).any(1)
         return kept.repeat_interleave(group_size)
 
-    def _check_pass_filter(self, kept: torch.BoolTensor) -> None:
+    def _check_pass_filter(self, kept: torch.BoolTensor, rewards: torch.Tensor) -> None:
         """Warns when the pass-rate filter kept no prompt of the rollout batch (nothing trains on it), and raises once
-        `max_consecutive_filtered_batches` batches in a row kept none (the same on every process: `kept` is gathered)."""
+        `max_consecutive_filtered_batches` batches in a row kept none (the same on every process: `kept` and the
+        weighted `rewards` are gathered)."""
         if kept.any():
             self._filtered_batches = 0
             return
         self._filtered_batches += 1
-        rewards = self._rollout_rewards[~torch.isnan(self._rollout_rewards)]
+        rewards = rewards[~torch.isnan(rewards)]
         spread = f"from {rewards.min().item():.4g} to {rewards.max().item():.4g}" if rewards.numel() else "none scored"
         low, high = self.args.pass_rate_range
         message = (
@@ -215,8 +209,9 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
         plan = self.trajectory_plan(inputs)
         scores = {"transition_index": plan.transition_index, "transition_state_step": plan.state_step}
         if self.args.pass_rate_range is not None and mode == "train":
-            kept = self.kept_by_pass_rate(self._rollout_rewards)
-            self._check_pass_filter(kept)
+            rewards = self.weighted_rewards(self._handoff.rewards_per_func)
+            kept = self.kept_by_pass_rate(rewards)
+            self._check_pass_filter(kept, rewards)
             num_rows = plan.transition_index.shape[0]
             first_row = self.accelerator.process_index * num_rows
             scores["pass_kept"] = kept[first_row : first_row + num_rows].to(plan.transition_index.device)

@@ -11,6 +11,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+from accelerate.utils import is_peft_model
 from trl.trainer.utils import RepeatSampler, get_config_model_id
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,40 @@ def check_processing_class(model, processing_class, trainer_name: str) -> None:
         )
 
 
+def remove_fused_lm_head(model) -> None:
+    """Undoes TRL's `add_fused_lm_head` on `model`.
+
+    TRL's SFT and GRPO trainers patch the instance's `forward` with a fused autoregressive log-prob head, which the
+    diffusion losses never call (they read the logits). Left in place, the patch stays on the caller's model after
+    the trainer, and a `copy.deepcopy` of that model would still run the original's weights: the patch is a closure
+    over the original's bound `forward`.
+
+    Args:
+        model (`torch.nn.Module` or `None`):
+            The trainer's model (TRL patched its base model under PEFT); `None` or an unpatched model is left as it
+            is.
+    """
+    if model is None:
+        return
+    if is_peft_model(model):
+        model = model.get_base_model()
+    forward = model.__dict__.get("forward")
+    function = getattr(forward, "__func__", None)
+    if function is None or getattr(function, "__wrapped__", None) is not type(model).forward:
+        return
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+    if "original_forward" not in cells:
+        raise RuntimeError(
+            "TRL's fused LM head no longer keeps the model's `forward` as `original_forward`: trl_diffusion supports "
+            "trl==1.16.*; install that version."
+        )
+    original = cells["original_forward"].cell_contents
+    if getattr(original, "__self__", None) is model and getattr(original, "__func__", None) is type(model).forward:
+        del model.__dict__["forward"]
+    else:
+        model.forward = original
+
+
 def linear_layer_names(model, trust_remote_code: bool = False) -> list[str] | None:
     """The distinct names of the linear layers of `model` (a model, or a path / Hub id built on the meta device), the
     names LoRA's `target_modules` match; None when they cannot be listed."""
@@ -204,6 +239,28 @@ def trl_checkpointing_deprecations_silenced():
             category=FutureWarning,
         )
         yield
+
+
+@contextmanager
+def unwrapped_for_generation(trainer):
+    """`trainer`'s trained model unwrapped for generation inside TRL's context managers: activation checkpointing
+    off, ZeRO-3 parameters gathered once for the whole denoising loop (unless `ds3_gather_for_generation` is off),
+    FSDP's full parameters summoned. The rollouts of the RL trainers and the evaluation callback decode through it."""
+    from trl.distributed import DistributedBackend
+    from trl.models.utils import unwrap_model_for_generation
+
+    args = trainer.args
+    with (
+        trl_checkpointing_deprecations_silenced(),
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
+            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
+        ) as model,
+        DistributedBackend(trainer.accelerator).summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        yield model
 
 
 def batch_to(batch: dict, device) -> dict:

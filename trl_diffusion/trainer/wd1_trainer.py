@@ -51,7 +51,7 @@ class WD1Trainer(DiffusionRLTrainer):
     several processes and in several micro-batches), and carries this process's rows batch-first as `wd1_weights`,
     so TRL's shuffle and split keep them aligned; `_compute_loss` is the objective. Reduction: the loss of a
     completion is `-G * (w+_i - w-_i) * Lambda_i`, averaged over the micro-batch and divided by the gradient
-    accumulation steps, so that an optimiser step's loss is the mean over the groups its rows make up of
+    accumulation steps, so that an optimizer step's loss is the mean over the groups its rows make up of
     `sum_i (w-_i - w+_i) * Lambda_i`, whatever the split of those rows into micro-batches, accumulation steps and
     processes (wd1's code sums over a micro-batch that is one group, and the processes average: the same value).
 

@@ -1,4 +1,5 @@
-"""Utilities shared by the tests and benchmarks."""
+"""Utilities below every layer: the activation-memory meter of the tests and benchmarks, and where a completion
+ends (`sequences`, read by the sampler and the likelihood estimators)."""
 
 from .memory import SavedTensorsMeter
 

@@ -1,0 +1,167 @@
+"""[`generate`]: the loop of the denoising sampler, which runs the model and calls the decoding objects
+(`trl_diffusion.generation.features`) at the fixed points of every step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models.adapter import DiffusionAdapter
+from .checks import _check_inputs, _lockstep, _vocab_size
+from .config import DiffusionGenerationConfig
+from .features import Commit, Decoding
+from .forward import _Logits, _select_logits, _StepForward
+from .noise import GeneratorLike, _default_generator
+from .output import DiffusionGenerationOutput
+from .state import DecodingState
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    generation_config: DiffusionGenerationConfig | None = None,
+    adapter: DiffusionAdapter | None = None,
+    tokenizer=None,
+    generator: GeneratorLike = None,
+    progress_bar: bool = False,
+    synchronize: bool = False,
+) -> DiffusionGenerationOutput:
+    """Denoises a completion for each (left-padded) prompt.
+
+    Greedy decoding of a left-padded batch equals decoding each prompt alone (rows see the same positions and never
+    attend to padding, and ties break towards the lowest index). Rows are decoded independently: a row that is
+    finished (nothing masked, or stopped early) leaves the batch of later forward passes.
+
+    Args:
+        model (`torch.nn.Module`):
+            The diffusion model (possibly PEFT- or DDP-wrapped), in the mode the caller wants (use `eval()`: dropout
+            makes even greedy decoding random).
+        input_ids (`torch.LongTensor` of shape `(batch, prompt_length)`):
+            Left-padded prompts.
+        attention_mask (`torch.Tensor` of shape `(batch, prompt_length)`, *optional*):
+            1 for prompt tokens, 0 for left padding. Default: no padding.
+        generation_config ([`DiffusionGenerationConfig`], *optional*):
+            The sampler settings (default: `DiffusionGenerationConfig()`).
+        adapter ([`DiffusionAdapter`], *optional*):
+            How to drive the model (default: resolved with `DiffusionAdapter.from_model(model, tokenizer)`).
+        tokenizer (`PreTrainedTokenizerBase`, *optional*):
+            Used only to resolve the adapter.
+        generator (`torch.Generator` or a sequence of them, *optional*):
+            Randomness of sampling and of `remasking="random"`, on the device of `input_ids`. One generator per row
+            makes each row's draws independent of the rest of the batch. Default: a private generator seeded with
+            `generation_config.seed` (or from fresh entropy); the global RNG is never touched.
+        progress_bar (`bool`, defaults to `False`):
+            Show a progress bar over the steps.
+        synchronize (`bool`, defaults to `False`):
+            Keep the processes of a `torch.distributed` job in lockstep: every process makes the same number of
+            model calls (the most any process needs at each step, until all are finished), a process whose rows
+            are finished, or that needs fewer calls, running idle passes on one position. Needed when the model's
+            forward has collectives (FSDP, DeepSpeed ZeRO-3 without gathered parameters) and the step counts depend
+            on the data (`early_stop`, `threshold`, `stop_patience`, or a cache with rows in different blocks). Each
+            process's rows decode exactly as without it; `num_forward_passes` counts the idle passes too. Costs one
+            all-reduce per step; a no-op with a single process.
+
+    Returns:
+        [`DiffusionGenerationOutput`].
+    """
+    config = generation_config if generation_config is not None else DiffusionGenerationConfig()
+    adapter = adapter if adapter is not None else DiffusionAdapter.from_model(model, tokenizer)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    _check_inputs(input_ids, attention_mask, config, adapter, generator, _vocab_size(model))
+    lockstep = _lockstep(synchronize)
+    generator = _default_generator(generator, config, input_ids.device)
+    state = DecodingState(input_ids, attention_mask, config, adapter, generator)
+    forward = _StepForward(model, adapter, config, state, lockstep)
+    decoding = config.decoding()
+    for feature in decoding.features:
+        feature.setup(state)
+
+    bar = tqdm(total=state.num_blocks * config.steps_per_block, desc="Denoising", disable=not progress_bar)
+    while True:
+        entered = state.enter_blocks()
+        refresh = entered[state.active_rows]
+        num_calls = forward.plan(state.active_rows, refresh)
+        if num_calls == 0:
+            break
+        if len(state.active_rows) == 0:
+            forward.idle(num_calls)  # finished here but not on every process
+            continue
+        for feature in decoding.features:
+            feature.before_forward(state)
+        _denoise(state, decoding, forward(state.active_rows, refresh, state.block_start(), num_calls))
+        still_masked = state.completion == state.mask_token_id
+        done = ~still_masked.any(dim=1) & ~state.finished
+        for feature in decoding.features:
+            done = feature.stop(state, still_masked, done)
+        state.end_step(done)
+        bar.update(1)
+    bar.close()
+
+    outputs = {}
+    for feature in decoding.features:
+        feature.finish(state, outputs)
+    return DiffusionGenerationOutput(
+        sequences=state.sequence,
+        completion_ids=state.completion,
+        commit_step=state.commit_step,
+        steps_per_row=state.steps_per_row,
+        num_forward_passes=forward.num_forward_passes,
+        tokens_per_forward=(config.max_completion_length / state.steps_per_row.double()).mean().item(),
+        mask_token_id=state.mask_token_id,
+        **outputs,
+    )
+
+
+def _denoise(state: DecodingState, decoding: Decoding, logits: list[_Logits]) -> None:
+    """One step's proposals, confidences and commits, from the step's model calls (`logits`, freed here before the
+    float64 noise is drawn). Everything up to the commit sees only the committable positions, `(num, vocab)`."""
+    features, committable = decoding.features, state.committable
+    candidate_logits = _select_logits(logits, committable[state.active_rows], state.config.cfg_scale)
+    for feature in features:
+        feature.read_logits(state, logits)
+    del logits
+    # Committing the mask token would leave the position masked: it is never a proposal.
+    candidate_logits[:, state.mask_token_id] = -math.inf
+    for feature in features:
+        candidate_logits = feature.process_logits(state, candidate_logits)
+    state.row_counts = committable.sum(dim=1)
+    candidates = decoding.proposer.propose(state, candidate_logits)
+    confidence = decoding.confidence.score(state, candidate_logits, candidates)
+    for feature in features:
+        confidence = feature.process_confidence(state, candidates, confidence)
+
+    # Outside the committable positions the confidence is -inf, so they are never chosen.
+    full_confidence = torch.full(state.completion.shape, -math.inf, device=state.device)
+    full_confidence[committable] = confidence.float()
+    proposals = state.completion.clone()
+    proposals[committable] = candidates
+    count = state.scheduled_count()
+    for feature in features:
+        count = feature.commit_count(state, full_confidence, count)
+    count = torch.minimum(count, state.row_counts)
+    for feature in features:
+        full_confidence, count = feature.rank(state, full_confidence, count)
+    # A stable sort breaks ties towards the lowest position, the same in a batch as alone.
+    order = full_confidence.argsort(dim=1, descending=True, stable=True)
+    kept = torch.zeros_like(committable).scatter(1, order, state.positions[None, :] < count[:, None])
+    chosen = kept & committable
+
+    displaced = None
+    for feature in features:
+        remasked = feature.remask(state, kept)
+        if remasked is not None:
+            displaced = remasked if displaced is None else displaced | remasked
+    if displaced is not None:
+        state.completion[displaced] = state.mask_token_id
+        state.commit_step[displaced] = -1
+    state.completion[chosen] = proposals[chosen]
+    state.commit_step[chosen] = state.step
+    commit = Commit(chosen, displaced, full_confidence, committable, candidate_logits, candidates)
+    for feature in features:
+        feature.on_commit(state, commit)
