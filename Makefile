@@ -34,8 +34,11 @@ sandbox:
 demo: $(VENV)/.installed
 	$(BIN)/python -m trl_diffusion.demo
 
+# The suite runs on one pytest-xdist worker per core, at most 4: each worker holds its own tiny models, and the
+# multi-process tests start two more processes each.
+PYTEST_WORKERS ?= -n auto --maxprocesses 4
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 # The suite again under ATEN_CPU_CAPABILITY=default (PyTorch's portable kernels, no SIMD): a number that holds only
 # with this CPU's vector kernels or reduction order fails here as it would on another machine. The files left out
@@ -44,7 +47,7 @@ test: install
 PORTABLE_SKIP := test_sandbox.py test_rewards.py test_tasks.py test_configs.py test_errors.py test_hub.py \
 	test_model_card.py test_plotting.py test_terminal.py test_cli.py test_benchmarks.py
 test-portable: install
-	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q $(addprefix --ignore=tests/,$(PORTABLE_SKIP))
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q $(PYTEST_WORKERS) $(addprefix --ignore=tests/,$(PORTABLE_SKIP))
 
 # pytest exits 5 when it collects no test: with nothing marked `slow`, there is nothing to fail.
 test-slow: install

@@ -1,7 +1,7 @@
 """End-to-end and bad-input tests of DiffuGRPOTrainer, VRPOTrainer, BGPOTrainer and CoupledGRPOTrainer on a tiny
 native LLaDA (CPU).
 
-Each run trains for one or two optimiser steps on a 2-layer, 64-wide model; the option matrix (prompt format, LoRA,
+Each run trains for one or two optimizer steps on a 2-layer, 64-wide model; the option matrix (prompt format, LoRA,
 reference model, inner iterations, gradient accumulation, gradient checkpointing) is spread over a few cases per
 trainer so that every option meets every trainer without running the cross-product.
 """
@@ -135,7 +135,7 @@ def assert_all_finite(entries: list[dict]) -> None:
 
 # ---------------------------------------------------------------------------------------------- end to end
 
-# Logged at every optimiser step / only at the steps that generate rollouts (mu = 2 reuses them).
+# Logged at every optimizer step / only at the steps that generate rollouts (mu = 2 reuses them).
 STEP_KEYS = {"loss", "grad_norm"}
 ROLLOUT_KEYS = {
     "reward",
@@ -309,7 +309,7 @@ def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == args.max_steps
     assert counter.steps == 1  # it continued from step 1 rather than starting over
-    # From the checkpoint's weights, optimiser state and rollout keys, the resumed step is the uninterrupted one.
+    # From the checkpoint's weights, optimizer state and rollout keys, the resumed step is the uninterrupted one.
     final = dict(uninterrupted.model.named_parameters())
     for n, p in resumed.model.named_parameters():
         assert torch.equal(p, final[n]), n
@@ -359,8 +359,8 @@ def test_resuming_a_finished_run_trains_nothing(name, tiny_llada_dir, tmp_path, 
     assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
 
 
-# Rollout rounds that span several optimiser steps: inner iterations (mu = 2; ESPO's default mu = 8), or more
-# micro-batches per rollout than per optimiser step (steps_per_generation = 2 with GA = 1).
+# Rollout rounds that span several optimizer steps: inner iterations (mu = 2; ESPO's default mu = 8), or more
+# micro-batches per rollout than per optimizer step (steps_per_generation = 2 with GA = 1).
 ROUND_CASES = {
     "diffu_grpo": (DiffuGRPOConfig, DiffuGRPOTrainer, dict(num_iterations=2)),
     "coupled_grpo": (CoupledGRPOConfig, CoupledGRPOTrainer, dict(num_iterations=2)),
@@ -412,8 +412,10 @@ CONFIG_ERRORS = [
     ("diffu_grpo", dict(use_vllm=True), "use_vllm"),
     ("vrpo", dict(use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
     ("bgpo", dict(use_liger_kernel=True), "use_liger_kernel"),
-    ("diffu_grpo", dict(top_p=0.9), "top_p"),
-    ("vrpo", dict(top_k=5), "top_k"),
+    ("diffu_grpo", dict(min_p=0.1), "min_p"),
+    ("vrpo", dict(repetition_penalty=1.2), "repetition_penalty"),
+    ("bgpo", dict(top_p=0.0), "top_p"),
+    ("vrpo", dict(top_k=-1), "top_k"),
     ("vrpo", dict(loss_type="grpo"), "loss_type"),
     ("bgpo", dict(loss_type="bnpo"), "loss_type"),
     ("bgpo", dict(importance_sampling_level="sequence"), "importance_sampling_level"),
@@ -500,7 +502,7 @@ def test_infinite_reward_is_unscored_and_counted(tiny_llada_dir, tmp_path):
 
 @pytest.mark.parametrize("name", list(TRAINERS))
 def test_an_infinite_reward_unscores_its_row_not_its_group_in_every_trainer(name, tiny_llada_dir, tmp_path):
-    """One +inf in a group of rewards [inf, 1, 2, 3]: that row's advantage is 0 and the other three are centred on
+    """One +inf in a group of rewards [inf, 1, 2, 3]: that row's advantage is 0 and the other three are centered on
     their own mean (2), in every trainer family; the row is counted."""
 
     def one_infinite(completions, **kwargs):
