@@ -49,7 +49,7 @@ RECIPE = {
     # optimization
     "learning_rate": 1e-6,
     "weight_decay": 0.01,
-    "warmup_ratio": 0.1,
+    "warmup_steps": 0.1,  # below 1: a ratio of the total steps (LFPO's warmup ratio)
     "max_grad_norm": 1.0,
     "max_steps": 500,  # our choice: the paper gives no training length
     "bf16": True,

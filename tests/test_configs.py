@@ -47,15 +47,13 @@ class Spec:
 
     parent: the config it is compared with for `changes`. changes: the fields it adds to `parent` or whose default
     it changes. defaults: field values of a config built with no arguments, and of one parsed from an empty command
-    line. values: non-default command-line values for this class, over `CLI_VALUES`. extra_parse: command-line
-    arguments appended to the full one, and attributes then expected (aliases).
+    line. values: non-default command-line values for this class, over `CLI_VALUES`.
     """
 
     parent: type
     changes: frozenset
     defaults: dict
     values: dict = dataclasses.field(default_factory=dict)
-    extra_parse: tuple = ((), {})
 
 
 SPECS = {
@@ -211,7 +209,7 @@ SPECS = {
         parent=DiffusionRLConfig,
         changes=frozenset({"contrastive_beta", "adv_clip_max", "lfpo_num_states", "lfpo_states", "lfpo_group_size"})
         | {"lfpo_variant", "ema_alpha", "ema_alpha_rate", "ema_alpha_max", "weight_decay", "warmup_steps"}
-        | {"warmup_ratio", "elbo_region"},
+        | {"elbo_region"},
         defaults=dict(
             contrastive_beta=1.0,
             adv_clip_max=5.0,
@@ -224,11 +222,8 @@ SPECS = {
             ema_alpha_max=0.5,
             weight_decay=0.01,
             warmup_steps=0.1,  # below 1: a fraction of the optimizer steps, the paper's warm-up ratio
-            warmup_ratio=None,
             beta=0.0,
         ),
-        # `warmup_ratio` is transformers 4's name of a fractional `warmup_steps`: parsed, it sets both.
-        extra_parse=(("--warmup_ratio", "0.2"), {"warmup_ratio": 0.2, "warmup_steps": 0.2}),
     ),
     # The trajectory family's switches, at the values that make it CJ-GRPO's Eq. 11 on every transition.
     TrajectoryRLConfig: Spec(
@@ -392,8 +387,6 @@ SEPARATE_CLI_VALUES = {
 }
 # The public code's objectives refuse most other fields' non-default values: parsed with the defaults instead.
 PARSED_WITH_DEFAULTS = {"estimator"}
-# Fields that are another field under a former name: checked through `Spec.extra_parse`, not set with it.
-ALIASES = {"warmup_ratio"}
 
 
 def trl_config(config_class) -> type:
@@ -406,14 +399,13 @@ def defaults_of(config_class) -> dict:
 
 def fields_to_parse(config_class) -> list:
     """The fields a config class adds to TRL's config, and TRL's fields whose default it changes, except those it
-    refuses to change (`unsupported_fields`) and the aliases."""
+    refuses to change (`unsupported_fields`)."""
     trl_defaults = defaults_of(trl_config(config_class))
     return [
         f
         for f in dataclasses.fields(config_class)
         if (f.name not in trl_defaults or f.default != trl_defaults[f.name])
         and f.name not in config_class.unsupported_fields
-        and f.name not in ALIASES
     ]
 
 
@@ -477,9 +469,6 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv)
     assert type(config) is config_class
     assert {name: getattr(config, name) for name in expected} == expected
-    extra_argv, extra_expected = SPECS[config_class].extra_parse
-    (config,) = TrlParser((config_class,)).parse_args_and_config(args=argv + list(extra_argv))
-    assert {name: getattr(config, name) for name in extra_expected} == extra_expected
     for name, value in separate.items():
         own_fields = {f.name for f in dataclasses.fields(config_class)}
         compatible = {other: value for other, value in SEPARATE_CLI_VALUES[name][1].items() if other in own_fields}

@@ -656,9 +656,6 @@ def test_warmup_is_a_fraction_of_the_run_and_bad_values_are_refused(tmp_path):
     """The defaults themselves are checked with every config's in `test_configs.py`."""
     config = LFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert config.get_warmup_steps(1000) == 100  # the Trainer's warm-up really is 10% of the run
-    # `warmup_ratio` (transformers 4's name, which transformers 5 dropped) still works, as an alias.
-    alias = LFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, warmup_ratio=0.05)
-    assert alias.warmup_steps == 0.05 and alias.get_warmup_steps(1000) == 50
     for overrides, match in (
         (dict(beta=0.04), "beta"),
         (dict(contrastive_beta=0.0), "contrastive_beta"),
@@ -669,7 +666,7 @@ def test_warmup_is_a_fraction_of_the_run_and_bad_values_are_refused(tmp_path):
         (dict(lfpo_variant="both"), "lfpo_variant"),
         (dict(ema_alpha=1.0), "ema_alpha"),
         (dict(ema_alpha_max=1.5), "ema_alpha_max"),
-        (dict(warmup_ratio=1.5), "warmup_ratio"),
+        (dict(warmup_steps=-0.5), "warmup_steps"),
     ):
         with pytest.raises(ValueError, match=match):
             LFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **overrides)

@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..generation import DiffusionGenerationConfig
-from ..validation import FieldRule, check_field_rules, choice, integer, number
+from ..validation import FieldRule, choice, integer, number
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
 
 LFPO_VARIANTS = ("all", "positive", "negative")
@@ -47,9 +47,6 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
             Growth of the scheduled EMA coefficient per optimizer step.
         ema_alpha_max (`float`, *optional*, defaults to `0.5`):
             Cap of the scheduled EMA coefficient.
-        warmup_ratio (`float`, *optional*):
-            Alias of a fractional `warmup_steps` (transformers 5 has no `warmup_ratio`: a value below 1 of
-            `warmup_steps` is the ratio); when set, it replaces `warmup_steps`.
     """
 
     contrastive_beta: float = field(
@@ -94,10 +91,6 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         default=0.1,
         metadata={"help": "Linear warm-up: optimizer steps, or a fraction of them below 1 (LFPO: 0.1 of the run)."},
     )
-    warmup_ratio: float | None = field(
-        default=None,
-        metadata={"help": "Alias of a fractional warmup_steps (transformers 5 has no warmup_ratio); replaces it."},
-    )
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **DiffusionRLConfig.unsupported_fields,
@@ -131,14 +124,9 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
         "ema_alpha": number(0, 1, high_inclusive=False, optional=True, note="0 is a hard copy; None the schedule"),
         "ema_alpha_rate": number(0),
         "ema_alpha_max": number(0, 1, high_inclusive=False),
-        "warmup_ratio": number(0, 1, high_inclusive=False, optional=True, note="a fraction of the optimizer steps"),
     }
 
     def __post_init__(self):
-        if self.warmup_ratio is not None:
-            # Checked before it replaces `warmup_steps`, so that a bad value is reported under the name it was given.
-            check_field_rules(self, ("warmup_ratio",))
-            self.warmup_steps = self.warmup_ratio
         super().__post_init__()
         if self.running_confidence and self.lfpo_states == "trajectory":
             raise ValueError(
