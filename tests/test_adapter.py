@@ -7,7 +7,16 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from trl_diffusion.models import DiffusionAdapter, build_tiny_llada, unwrap_model
+from trl_diffusion.models import (
+    DiffusionAdapter,
+    build_tiny_bidirectional_llama,
+    build_tiny_dream,
+    build_tiny_llada,
+    build_tiny_llada2,
+    build_tiny_sdar,
+    build_tiny_sdar_moe,
+    unwrap_model,
+)
 
 
 class FixedLogitsModel(torch.nn.Module):
@@ -87,6 +96,68 @@ def test_shifted_logits_are_realigned():
     assert torch.equal(full[:, 0], raw[:, 0])
     assert torch.equal(full[:, 1:], raw[:, :-1])
     assert torch.equal(adapter.logits(model, input_ids, num_logits=3), full[:, -3:])
+
+
+def test_head_rows_of_a_model_without_a_head_module_are_the_rows_of_its_logits():
+    model = FixedLogitsModel("Dream")
+    adapter = DiffusionAdapter.from_model(model)
+    input_ids = torch.zeros(2, 5, dtype=torch.long)
+    rows = torch.tensor([[True, False, True], [False, True, True]])
+    selected = adapter.logits(model, input_ids, num_logits=3, head_rows=rows)
+    assert torch.equal(selected, adapter.logits(model, input_ids, num_logits=3)[rows])
+
+
+HEAD_FAMILIES = {
+    "llama": build_tiny_bidirectional_llama,
+    "llada": build_tiny_llada,
+    "dream": build_tiny_dream,  # shifted: position i is read from output i - 1
+    "sdar": build_tiny_sdar,  # block-causal: the composite forward's noisy half
+    "sdar_moe": build_tiny_sdar_moe,
+    "llada2": build_tiny_llada2,
+}
+
+
+@pytest.mark.parametrize("family", list(HEAD_FAMILIES))
+def test_output_head_runs_at_the_scored_positions_only(family, tiny_tokenizer):
+    """`head_rows` returns the rows of the full logits it marks, with the same gradient, and the output head runs at
+    those rows only: in float64, on left-padded prompts, with the first completion position scored (a shifted model
+    reads it from the prompt's last output)."""
+    model = HEAD_FAMILIES[family](tiny_tokenizer, seed=0).double()
+    adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(10, 90, (3, 5), generator=generator)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, :2], prompt_mask[0, :2] = tiny_tokenizer.pad_token_id, 0
+    completion_ids = torch.randint(10, 90, (3, 8), generator=generator)
+    rows = torch.rand(3, 8, generator=generator) < 0.5
+    rows[:, 0] = True
+    noisy = completion_ids.masked_fill(rows, adapter.mask_token_id)
+
+    def forward(**head):
+        if adapter.block_causal:
+            return adapter.composite_logits(model, prompt_ids, prompt_mask, noisy, completion_ids, **head)
+        input_ids = torch.cat([prompt_ids, noisy], dim=1)
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy)], dim=1)
+        return adapter.logits(model, input_ids, attention_mask, num_logits=8, **head)
+
+    head_outputs = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, output: head_outputs.append(output.shape))
+    try:
+        selected = forward(head_rows=rows)
+    finally:
+        hook.remove()
+    assert head_outputs == [(int(rows.sum()), model.get_output_embeddings().out_features)]
+    full = forward()[rows]
+    torch.testing.assert_close(selected, full, atol=1e-12, rtol=0)
+    weights = torch.randn(selected.shape, generator=generator, dtype=torch.float64)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    for got, expected in zip(
+        torch.autograd.grad((selected * weights).sum(), parameters, allow_unused=True),
+        torch.autograd.grad((full * weights).sum(), parameters, allow_unused=True),
+    ):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
 
 
 def test_unshifted_completion_logits_match_full_pass(tiny_llama, tiny_llama_adapter):

@@ -19,6 +19,7 @@ import memory  # noqa: E402
 import sampler_head  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
+import training_head  # noqa: E402
 import trajectory_memory  # noqa: E402
 
 sys.path.insert(0, str(BENCHMARKS / "gpu"))
@@ -41,7 +42,7 @@ def load_outputs(directory: Path, name: str) -> dict:
 
 @pytest.mark.parametrize(
     "module",
-    [learning, memory, sampler_head, step_time, throughput, trajectory_memory, check],
+    [learning, memory, sampler_head, step_time, throughput, training_head, trajectory_memory, check],
     ids=lambda module: module.__name__,
 )
 def test_help(module, capsys):
@@ -134,6 +135,14 @@ def test_sampler_head_smoke(tmp_path):
     assert [result["generation_cache"] for result in payload["results"]] == ["none", "prefix", "dual"]
     for result in payload["results"]:
         assert result["same_completions"] and result["speedup"] > 0 and result["forward_passes"] > 0
+
+
+def test_training_head_smoke(tmp_path):
+    training_head.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "training_head.json").read_text())
+    assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
+    (result,) = payload["results"]
+    assert result["same_logprobs_and_gradients"] and result["speedup"] > 0 and 0 < result["head_flop_share"] < 1
 
 
 def test_step_time_samples_per_backward_smoke(tmp_path):

@@ -119,7 +119,7 @@ def test_loss_equals_hand_computation(family, tiny_llada, tiny_dream, tiny_token
 
 def test_prompt_and_padding_are_never_masked_or_scored(tiny_llada, tiny_tokenizer, tmp_path, recorded_noise):
     """The canvas the model sees keeps every prompt and padding token; the loss has gradient exactly at the masked
-    completion positions."""
+    completion positions (of the hidden states that reach the output head, which then runs at those only)."""
     model = copy.deepcopy(tiny_llada).train()
     prompts = ["a=", "long prompt=", "mid=", "q=", "zz=", "another one="]
     completions = ["abc", "d", "ef", "", "ghij", "k"]
@@ -129,10 +129,14 @@ def test_prompt_and_padding_are_never_masked_or_scored(tiny_llada, tiny_tokenize
 
     def capture(module, args, kwargs, output):
         seen["input_ids"], seen["attention_mask"] = kwargs["input_ids"], kwargs["attention_mask"]
-        output.logits.retain_grad()
-        seen["logits"] = output.logits
+        seen["head_rows"] = output.logits.shape[0]
+
+    def capture_head_input(module, args):  # registered first: it sees the hidden states before the head's gather
+        args[0].retain_grad()
+        seen["hidden"] = args[0]
 
     handle = trainer.model.register_forward_hook(capture, with_kwargs=True)
+    head_handle = trainer.model.get_output_embeddings().register_forward_pre_hook(capture_head_input)
     try:
         for _ in range(4):  # four micro-batches, four draws
             trainer.model.zero_grad()
@@ -146,11 +150,13 @@ def test_prompt_and_padding_are_never_masked_or_scored(tiny_llada, tiny_tokenize
             assert torch.equal(completion == tiny_tokenizer.mask_token_id, masked)
             assert torch.equal(completion[~masked], batch["completion_ids"][~masked])
 
-            scored = seen["logits"].grad.abs().sum(-1) != 0
+            scored = seen["hidden"].grad.abs().sum(-1) != 0
             assert torch.equal(scored[:, -masked.shape[1] :], masked)
-            assert not scored[:, : -masked.shape[1]].any()  # prompt logits, if the model computed them
+            assert not scored[:, : -masked.shape[1]].any()  # prompt positions, if the model kept them
+            assert seen["head_rows"] == masked.sum()
     finally:
         handle.remove()
+        head_handle.remove()
 
 
 def test_expected_loss_is_the_negative_elbo(tiny_llada, tiny_tokenizer, tmp_path):

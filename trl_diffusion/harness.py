@@ -608,14 +608,15 @@ class DiffusionLM(TemplateLM):
         noisy = completion_ids.masked_fill(hidden, mask_token_id).repeat(2, 1)
         # The unconditional rows: every real context token masked, the padding left as it is (LLaDA's `un_batch`).
         prompts = torch.cat([prompt_ids, prompt_ids.masked_fill(prompt_mask.bool(), mask_token_id)])
-        prompt_masks, targets = prompt_mask.repeat(2, 1), completion_ids.repeat(2, 1)
+        prompt_masks, targets, rows = prompt_mask.repeat(2, 1), completion_ids.repeat(2, 1), scored.repeat(2, 1)
+        # The output head at the scored positions only.
         if adapter.block_causal:
-            logits = adapter.composite_logits(model, prompts, prompt_masks, noisy, targets)
+            logits = adapter.composite_logits(model, prompts, prompt_masks, noisy, targets, head_rows=rows)
         else:
             input_ids = torch.cat([prompts, noisy], dim=1)
             attention_mask = torch.cat([prompt_masks, torch.ones_like(targets, dtype=prompt_masks.dtype)], dim=1)
-            logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
-        conditional, unconditional = logits[scored.repeat(2, 1)].float().chunk(2)
+            logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1], head_rows=rows)
+        conditional, unconditional = logits.float().chunk(2)
         guided = (unconditional + (scale + 1) * (conditional - unconditional)).log_softmax(-1)
         logprobs = guided.gather(-1, completion_ids[scored].unsqueeze(-1)).squeeze(-1)
         return torch.zeros(scored.shape, dtype=torch.float32, device=logprobs.device).masked_scatter(scored, logprobs)

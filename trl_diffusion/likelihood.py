@@ -39,27 +39,32 @@ def _scored_logprobs(
     `targets` before it); float32 `log p(targets_i)` at the scored completion positions, 0 elsewhere (and, with
     `return_entropy`, the entropy of each scored prediction, 0 elsewhere). The logits are divided by `temperature`
     and `excluded_token` (the sampler's distribution leaves out the mask token) is left out of the softmax."""
+    # The output head runs at the scored positions only: the full (batch, L, vocab) logits, and a float32
+    # log-softmax over them, would dwarf the rest.
     if adapter.block_causal:
-        logits = adapter.composite_logits(model, prompt_ids, prompt_mask, noisy_completion, targets)
+        scored_logits = adapter.composite_logits(
+            model, prompt_ids, prompt_mask, noisy_completion, targets, head_rows=scored
+        ).float()
     else:
         input_ids = torch.cat([prompt_ids, noisy_completion], dim=1)
         attention_mask = torch.cat([prompt_mask, torch.ones_like(targets, dtype=prompt_mask.dtype)], dim=1)
-        logits = adapter.logits(model, input_ids, attention_mask, num_logits=targets.shape[1])
-    # Gather the scored rows before normalizing: a float32 log-softmax over (batch, L, vocab) would dwarf the rest.
-    scored_logits = logits[scored].float()
-    del logits
+        scored_logits = adapter.logits(
+            model, input_ids, attention_mask, num_logits=targets.shape[1], head_rows=scored
+        ).float()
     if temperature != 1.0:
         scored_logits = scored_logits / temperature
     if excluded_token is not None:
         excluded = torch.tensor([excluded_token], device=scored_logits.device)
         scored_logits = scored_logits.index_fill(-1, excluded, -math.inf)
-    normalizer = scored_logits.logsumexp(-1)
-    logprobs = scored_logits.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1) - normalizer
+    # The fused log-softmax keeps one (num_scored, vocab) tensor for backward (logsumexp would keep its input and
+    # allocate two more in backward).
+    log_probs_all = scored_logits.log_softmax(-1)
+    del scored_logits
+    logprobs = log_probs_all.gather(-1, targets[scored].unsqueeze(-1)).squeeze(-1)
     # With nothing scored the output is still attached to the graph (through the empty gather), as DDP requires.
     placeholder = torch.zeros(scored.shape, dtype=torch.float32, device=logprobs.device)
     if not return_entropy:
         return placeholder.masked_scatter(scored, logprobs)
-    log_probs_all = scored_logits - normalizer.unsqueeze(-1)
     entropy = -(log_probs_all.exp() * log_probs_all.nan_to_num(neginf=0.0)).sum(-1)
     return placeholder.masked_scatter(scored, logprobs), placeholder.masked_scatter(scored, entropy.detach())
 
@@ -383,12 +388,12 @@ def autoregressive_logprobs(
         [prompt_mask[:, None, :].expand(-1, num_positions, -1), torch.ones_like(copies, dtype=prompt_mask.dtype)],
         dim=2,
     )
-    # The logits of positions start..L-1 of every copy; copy j reads its own position, index j of that window.
+    # Of positions start..L-1, copy j reads its own one, index j of that window: the output head runs there only.
+    own = torch.eye(num_positions, length - start, dtype=torch.bool, device=device).repeat(batch_size, 1)
     logits = adapter.logits(
-        model, input_ids.flatten(0, 1), attention_mask.flatten(0, 1), num_logits=length - start
-    ).unflatten(0, (batch_size, num_positions))
-    index = torch.arange(num_positions, device=device)
-    position_logits = logits[:, index, index].float() / temperature  # (batch, num_positions, vocab)
+        model, input_ids.flatten(0, 1), attention_mask.flatten(0, 1), num_logits=length - start, head_rows=own
+    )
+    position_logits = logits.unflatten(0, (batch_size, num_positions)).float() / temperature
     del logits
     mask_column = torch.tensor([adapter.mask_token_id], device=device)
     log_probs = position_logits.index_fill(-1, mask_column, -math.inf).log_softmax(dim=-1)

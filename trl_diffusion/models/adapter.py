@@ -48,6 +48,35 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+@contextlib.contextmanager
+def _output_head_rows(model: torch.nn.Module, rows: torch.BoolTensor, positions: torch.LongTensor | None = None):
+    """Within the block, `model`'s output head runs on the hidden states of the input positions `rows` marks only
+    (shape `(batch, seq_len)`; of the kept ones when the model takes `logits_to_keep`: the last ones for an int, the
+    `positions` for a tensor), so the forward returns `(num_rows, vocab)` logits in row-major order. Yields a list
+    that holds `True` once the head ran: a model that applies its head without calling the module returns its usual
+    logits."""
+    base = unwrap_model(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    ran = []
+
+    def gather(module, args):
+        hidden = args[0]
+        kept = hidden.shape[1]
+        if kept == rows.shape[1]:
+            selected = rows
+        else:
+            selected = rows[:, positions] if positions is not None else rows[:, rows.shape[1] - kept :]
+        ran.append(True)
+        return (hidden[selected], *args[1:])
+
+    handle = head.register_forward_pre_hook(gather) if head is not None else None
+    try:
+        yield ran
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 class _CanvasCacheLayer(CacheLayerMixin):
     """Keys and values of one layer for every canvas position, shape `(rows, kv_heads, canvas_length, head_dim)`."""
 
@@ -321,6 +350,7 @@ class DiffusionAdapter:
         prompt_mask: torch.Tensor,
         noisy_completion: torch.LongTensor,
         completion_ids: torch.LongTensor,
+        head_rows: torch.BoolTensor | None = None,
     ) -> torch.Tensor:
         """Logits of every completion block of a block-causal model given its clean prefix, in one forward over the
         block-diffusion composite input `[noisy | clean]` (BD3LM's layout, with
@@ -344,10 +374,13 @@ class DiffusionAdapter:
                 The completions with the positions to predict replaced by the mask token.
             completion_ids (`torch.LongTensor` of shape `(batch, completion_length)`):
                 The clean completions.
+            head_rows (`torch.BoolTensor` of shape `(batch, completion_length)`, *optional*):
+                Run the output head at these completion positions only and return their logits, `(num_rows, vocab)`
+                in row-major order (what indexing the full logits with `head_rows` gives).
 
         Returns:
             `torch.Tensor` of shape `(batch, completion_length, vocab)`: index `i` holds the prediction for completion
-            position `i` in the noisy half.
+            position `i` in the noisy half; `(num_rows, vocab)` with `head_rows`.
         """
         if self.block_size is None:
             raise ValueError("`composite_logits` is for block-causal models (`block_size` set); this one is not.")
@@ -368,8 +401,16 @@ class DiffusionAdapter:
         keep = torch.arange(tail, tail + completion_length, device=input_ids.device)
         if self.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs).logits
-        return logits if self.accepts_logits_to_keep else logits[:, keep]
+        if head_rows is None:
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs).logits
+            return logits if self.accepts_logits_to_keep else logits[:, keep]
+        rows = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        rows[:, keep] = head_rows
+        with _output_head_rows(model, rows, keep if self.accepts_logits_to_keep else None) as ran:
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, **kwargs).logits
+        if ran:
+            return logits
+        return (logits if self.accepts_logits_to_keep else logits[:, keep])[head_rows]
 
     def logits(
         self,
@@ -380,6 +421,7 @@ class DiffusionAdapter:
         cache: CanvasCache | None = None,
         cache_rows: torch.LongTensor | None = None,
         logit_positions: torch.LongTensor | None = None,
+        head_rows: torch.BoolTensor | None = None,
     ) -> torch.Tensor:
         """Runs `model` on a (left-padded) canvas and returns logits aligned with the input positions.
 
@@ -406,11 +448,18 @@ class DiffusionAdapter:
                 Return logits for these positions of every row only (instead of `num_logits`), computing the output
                 head at no others when the model accepts `logits_to_keep` as a tensor of positions (transformers'
                 models, the native LLaDA and Dream).
+            head_rows (`torch.BoolTensor` of shape `(batch, num_logits)`, *optional*):
+                With `num_logits` and no cache: run the output head at these of the last `num_logits` positions only
+                and return their logits, `(num_rows, vocab)` in row-major order (what indexing the full logits with
+                `head_rows` gives). Training scores the masked positions only: the head and its logits then cost
+                their share of the canvas.
 
         Returns:
             `torch.Tensor` of shape `(batch, num_logits or num_positions or seq_len, vocab)`: index `i` holds the
-            prediction for the token at the `i`-th returned position.
+            prediction for the token at the `i`-th returned position; `(num_rows, vocab)` with `head_rows`.
         """
+        if head_rows is not None:
+            return self._head_rows_logits(model, input_ids, attention_mask, num_logits, head_rows)
         seq_len = input_ids.shape[1]
         kwargs = {"use_cache": False}
         if attention_mask is not None:
@@ -450,6 +499,37 @@ class DiffusionAdapter:
                 return logits[:, :-1]
             return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         return logits
+
+    def _head_rows_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None,
+        num_logits: int | None,
+        head_rows: torch.BoolTensor,
+    ) -> torch.Tensor:
+        """[`DiffusionAdapter.logits`] with `head_rows`: the output head at the marked completion positions only."""
+        if num_logits is None or head_rows.shape != (input_ids.shape[0], num_logits):
+            raise ValueError(f"`head_rows` must have shape (batch, num_logits); got {tuple(head_rows.shape)}.")
+        seq_len = input_ids.shape[1]
+        if num_logits + int(self.shift_logits) > seq_len:
+            # No prompt column to read a shifted first prediction from: the head runs everywhere.
+            return self.logits(model, input_ids, attention_mask, num_logits)[head_rows]
+        # The prediction for completion position i is the output at input position p + i (p = seq_len - num_logits),
+        # or at p + i - 1 for a shifted model.
+        rows = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        rows[:, seq_len - num_logits - int(self.shift_logits) : seq_len - int(self.shift_logits)] = head_rows
+        kwargs = {"use_cache": False}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = num_logits + int(self.shift_logits)
+        with _output_head_rows(model, rows) as ran:
+            logits = model(input_ids=input_ids, **kwargs).logits
+        if ran:
+            return logits
+        return logits[rows[:, seq_len - logits.shape[1] :]]
 
     def cached_logits(
         self,

@@ -246,8 +246,10 @@ class LFPOTrainer(DiffusionRLTrainer):
         input_ids = torch.cat([inputs["prompt_ids"][rows], states], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"][rows], torch.ones_like(states)], dim=1)
         with self.accelerator.autocast():
-            logits = self.adapter.logits(model, input_ids, attention_mask, num_logits=canvas.shape[1])
-        return logits[scored].float()
+            logits = self.adapter.logits(
+                model, input_ids, attention_mask, num_logits=canvas.shape[1], head_rows=scored
+            )
+        return logits.float()
 
     def loss_pieces(self, model, inputs: dict, mode: str) -> tuple[int, Iterator[torch.Tensor]]:
         state_masks = inputs["lfpo_state_masks"]

@@ -389,16 +389,19 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
         prompt_ids, prompt_mask, completion_ids = inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"]
         batch_size, max_completion_length = completion_ids.shape
         noisy_completion = completion_ids.masked_fill(masked, self.adapter.mask_token_id)
+        # Only the masked positions go through the output head and the softmax: (num_masked, vocab) rather than
+        # (batch, L, vocab).
         if self.adapter.block_causal:
             # Each noisy block is predicted from the clean blocks before it (the block-diffusion ELBO), in one forward.
-            logits = self.adapter.composite_logits(model, prompt_ids, prompt_mask, noisy_completion, completion_ids)
+            masked_logits = self.adapter.composite_logits(
+                model, prompt_ids, prompt_mask, noisy_completion, completion_ids, head_rows=masked
+            )
         else:
             canvas = torch.cat([prompt_ids, noisy_completion], dim=1)
             attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-            logits = self.adapter.logits(model, canvas, attention_mask, num_logits=max_completion_length)
-
-        # Only the masked positions go through the softmax: (num_masked, vocab) rather than (batch, L, vocab).
-        masked_logits = logits[masked]
+            masked_logits = self.adapter.logits(
+                model, canvas, attention_mask, num_logits=max_completion_length, head_rows=masked
+            )
         if masked_logits.dtype in (torch.float16, torch.bfloat16):
             masked_logits = masked_logits.float()
         log_probs = masked_logits.log_softmax(dim=-1)
