@@ -273,23 +273,18 @@ class DiffusionLM(TemplateLM):
                         f"pretrained={pretrained!r} is itself a PEFT adapter: with `peft`, pass its base model as "
                         "`pretrained` (or drop `peft`)."
                     )
-                model, loaded_tokenizer = load_for_evaluation(
-                    peft,
-                    base_model=pretrained,
-                    dtype=dtype,
-                    trust_remote_code=trust_remote_code,
-                    argument="peft",
-                    base_argument="pretrained",
-                )
+                # The adapter is the checkpoint and `pretrained` its base, under lm-eval's own argument names.
+                checkpoint, base, names = peft, pretrained, ("peft", "pretrained")
             else:
-                model, loaded_tokenizer = load_for_evaluation(
-                    pretrained,
-                    base_model=base_model,
-                    dtype=dtype,
-                    trust_remote_code=trust_remote_code,
-                    argument="pretrained",
-                    base_argument="base_model",
-                )
+                checkpoint, base, names = pretrained, base_model, ("pretrained", "base_model")
+            model, loaded_tokenizer = load_for_evaluation(
+                checkpoint,
+                base_model=base,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                argument=names[0],
+                base_argument=names[1],
+            )
             tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
         else:
             if base_model is not None:

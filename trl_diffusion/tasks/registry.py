@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import evaluate
@@ -110,6 +110,45 @@ class Task:
         return dataset.select_columns(list(self.reference_columns)).to_list()
 
 
+# Bases of the variants below: a variant is its base with a few fields changed, so it always scores with its
+# base's rewards, metric and columns.
+_COUNTDOWN = Task(
+    name="countdown",
+    description="Countdown with 3 numbers (procedural, as d1): reach the target with + - * /.",
+    loader=partial(load_countdown, num_numbers=3),
+    reward_funcs=(countdown_reward,),
+    accuracy_func=countdown_accuracy,
+    metric_class=CountdownAccuracy,
+    reference_columns=("numbers", "target"),
+    max_completion_length=256,
+    block_length=32,
+    procedural=True,
+)
+_SUDOKU = Task(
+    name="sudoku",
+    description="4x4 Sudoku with a unique solution (procedural, as d1).",
+    loader=partial(load_sudoku, box=2),
+    reward_funcs=(sudoku_reward,),
+    accuracy_func=sudoku_solved,
+    metric_class=SudokuAccuracy,
+    reference_columns=("puzzle", "solution"),
+    max_completion_length=256,
+    block_length=32,
+    procedural=True,
+)
+_MBPP = Task(
+    name="mbpp",
+    description="MBPP Python problems with assert tests (google-research-datasets/mbpp, full).",
+    loader=load_mbpp,
+    reward_funcs=(code_reward, format_reward),
+    accuracy_func=code_solved,
+    metric_class=CodePassRate,
+    reference_columns=("tests", "test_setup"),
+    max_completion_length=512,
+    block_length=32,
+    splits=("train", "validation", "test", "prompt"),
+)
+
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
@@ -125,53 +164,20 @@ TASKS: dict[str, Task] = {
             block_length=4,
             procedural=True,
         ),
-        Task(
-            name="countdown",
-            description="Countdown with 3 numbers (procedural, as d1): reach the target with + - * /.",
-            loader=partial(load_countdown, num_numbers=3),
-            reward_funcs=(countdown_reward,),
-            accuracy_func=countdown_accuracy,
-            metric_class=CountdownAccuracy,
-            reference_columns=("numbers", "target"),
-            max_completion_length=256,
-            block_length=32,
-            procedural=True,
-        ),
-        Task(
+        _COUNTDOWN,
+        replace(
+            _COUNTDOWN,
             name="countdown4",
             description="Countdown with 4 numbers (procedural): reach the target with + - * /.",
             loader=partial(load_countdown, num_numbers=4),
-            reward_funcs=(countdown_reward,),
-            accuracy_func=countdown_accuracy,
-            metric_class=CountdownAccuracy,
-            reference_columns=("numbers", "target"),
-            max_completion_length=256,
-            block_length=32,
-            procedural=True,
         ),
-        Task(
-            name="sudoku",
-            description="4x4 Sudoku with a unique solution (procedural, as d1).",
-            loader=partial(load_sudoku, box=2),
-            reward_funcs=(sudoku_reward,),
-            accuracy_func=sudoku_solved,
-            metric_class=SudokuAccuracy,
-            reference_columns=("puzzle", "solution"),
-            max_completion_length=256,
-            block_length=32,
-            procedural=True,
-        ),
-        Task(
+        _SUDOKU,
+        replace(
+            _SUDOKU,
             name="sudoku9",
             description="9x9 Sudoku with a unique solution (procedural).",
             loader=partial(load_sudoku, box=3),
-            reward_funcs=(sudoku_reward,),
-            accuracy_func=sudoku_solved,
-            metric_class=SudokuAccuracy,
-            reference_columns=("puzzle", "solution"),
             max_completion_length=512,
-            block_length=32,
-            procedural=True,
         ),
         Task(
             name="gsm8k",
@@ -197,28 +203,12 @@ TASKS: dict[str, Task] = {
             max_completion_length=512,
             block_length=32,
         ),
-        Task(
-            name="mbpp",
-            description="MBPP Python problems with assert tests (google-research-datasets/mbpp, full).",
-            loader=load_mbpp,
-            reward_funcs=(code_reward, format_reward),
-            accuracy_func=code_solved,
-            metric_class=CodePassRate,
-            reference_columns=("tests", "test_setup"),
-            max_completion_length=512,
-            block_length=32,
-            splits=("train", "validation", "test", "prompt"),
-        ),
-        Task(
+        _MBPP,
+        replace(
+            _MBPP,
             name="humaneval",
             description="HumanEval Python functions with hidden unit tests (openai/openai_humaneval); test only.",
             loader=load_humaneval,
-            reward_funcs=(code_reward, format_reward),
-            accuracy_func=code_solved,
-            metric_class=CodePassRate,
-            reference_columns=("tests", "test_setup"),
-            max_completion_length=512,
-            block_length=32,
             splits=("test",),
         ),
     )
