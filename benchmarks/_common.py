@@ -7,6 +7,8 @@ The scripts import this module by name (`python benchmarks/<script>.py` puts `be
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -242,6 +244,93 @@ def run_in_fresh_process(context, function, job: dict):
     if status == "error":
         raise RuntimeError(f"{function.__name__} failed in its process:\n{value}")
     return value
+
+
+class _FreshProcesses:
+    """A new process for every job ([`run_in_fresh_process`])."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def run(self, function, job: dict):
+        return run_in_fresh_process(self.context, function, job)
+
+    def close(self) -> None:
+        pass
+
+
+def _reused_process_main(connection) -> None:
+    quiet()
+    while (request := connection.recv()) is not None:
+        function, job = request
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # What the previous job cached or peaked at is not this job's: the figures read are allocated memory
+            # (not the cache) above the job's own start.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            connection.send(("ok", function(job)))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+            connection.send(("error", traceback.format_exc()))
+    connection.close()
+
+
+class _ReusedProcess:
+    """One process of `context` that runs the jobs in turn (started again if a job kills it)."""
+
+    def __init__(self, context):
+        self.context, self.process, self.connection = context, None, None
+
+    def run(self, function, job: dict):
+        if self.process is None:
+            self.connection, child = self.context.Pipe()
+            self.process = self.context.Process(target=_reused_process_main, args=(child,), daemon=True)
+            self.process.start()
+            child.close()
+        self.connection.send((function, job))
+        try:
+            status, value = self.connection.recv()
+        except EOFError:
+            self.process.join()
+            exit_code, self.process = self.process.exitcode, None
+            raise RuntimeError(f"{function.__name__} died with exit code {exit_code} (out of memory?)") from None
+        if status == "error":
+            raise RuntimeError(f"{function.__name__} failed in its process:\n{value}")
+        return value
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.connection.send(None)
+            self.process.join(timeout=60)
+            self.process = None
+
+
+@contextlib.contextmanager
+def job_runner(device: str, reuse: bool | None = None):
+    """What runs a benchmark's measurement jobs: `runner.run(function, job)` returns `function(job)` from another
+    process.
+
+    On the CPU (default): a fresh process per job ([`run_in_fresh_process`]), because the CPU figures (the resident
+    set's high-water mark, warm allocator caches) carry over within a process. With CUDA (default): one `spawn` process
+    for all the jobs of the runner, which frees the CUDA cache and resets the peak statistics before each job: the
+    CUDA figures (allocated memory above the job's start) do not carry over, and a new interpreter per job would cost
+    seconds of imports each (the GPU check's budget). Timings in a reused process come after the first job's CUDA
+    initialization; the scripts interleave their settings, so no setting always runs first.
+
+    Args:
+        device (`str`):
+            `cpu` or `cuda`.
+        reuse (`bool`, *optional*):
+            One process for every job (`True`) or a fresh one per job (`False`); default: `True` with CUDA.
+    """
+    reuse = device == "cuda" if reuse is None else reuse
+    context = fresh_process_context(device)
+    runner = _ReusedProcess(context) if reuse else _FreshProcesses(context)
+    try:
+        yield runner
+    finally:
+        runner.close()
 
 
 def quiet() -> None:

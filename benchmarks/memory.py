@@ -19,9 +19,10 @@ default, on; `--gradient-checkpointing false` measures the activations themselve
   `--pin-mmap-threshold` pins its mmap threshold at 128 KiB, so that the figure follows the live tensors rather than
   heap fragmentation (see `_fix_mmap_threshold`).
 
-Each point runs in a fresh process (on the CPU forked from a multiprocessing fork server that has imported the
-libraries but never run a model; with CUDA spawned), so no allocator cache or high-water mark carries over from
-another point. `getrusage`'s `ru_maxrss` cannot be reset, so a peak during trainer construction would hide the
+On the CPU each point runs in a fresh process (forked from a multiprocessing fork server that has imported the
+libraries but never run a model), so no allocator cache or high-water mark carries over from another point; with
+CUDA every point runs in one spawned process that frees the CUDA cache and resets the peak statistics before each
+(`_common.job_runner`). `getrusage`'s `ru_maxrss` cannot be reset, so a peak during trainer construction would hide the
 steps'; hence the `clear_refs` reset.
 
 Settings fixed for the sweep: `beta=0` and `num_iterations=1` (on-policy: no old or reference passes, neither changes
@@ -58,13 +59,12 @@ from _common import (
     benchmark_parser,
     clock,
     format_table,
-    fresh_process_context,
+    job_runner,
     machine_info,
     make_trainer,
     mib,
     model_description,
     random_model_dir,
-    run_in_fresh_process,
     save_results,
     select_preset,
     set_threads,
@@ -411,10 +411,9 @@ def main(argv=None) -> dict:
     threads = args.threads if device == "cpu" else None
     fix_mmap_threshold = device == "cpu" and args.pin_mmap_threshold
     checkpointing = args.gradient_checkpointing == "true"
-    context = fresh_process_context(device)
     started = time.perf_counter()
 
-    with tempfile.TemporaryDirectory(prefix="trl-diffusion-memory-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="trl-diffusion-memory-") as scratch, job_runner(device) as runner:
         scratch = Path(scratch)
         model_dir = random_model_dir(args, scratch, MODEL_SIZES[preset.model])
         job = {
@@ -427,7 +426,7 @@ def main(argv=None) -> dict:
             "fix_mmap_threshold": fix_mmap_threshold,
             "checkpointing": checkpointing,
         }
-        shape = run_in_fresh_process(context, generate_batch, job)
+        shape = runner.run(generate_batch, job)
         malloc = "pinned mmap threshold" if fix_mmap_threshold else "glibc's default allocator settings"
         print(
             f"rollout batch: {preset.rollout.rows} completions, prompt {shape['prompt_length']} + canvas "
@@ -443,7 +442,7 @@ def main(argv=None) -> dict:
                 if any(entry["trainer"] == name and entry["reason"] == "out of memory" for entry in skipped):
                     skipped.append({"trainer": name, "n": n, "reason": "out of memory at a smaller n"})
                     continue
-                result = run_in_fresh_process(context, measure_point, {**job, "trainer": name, "n": n})
+                result = runner.run(measure_point, {**job, "trainer": name, "n": n})
                 if result.get("out_of_memory"):
                     print(f"{LABELS[name]:>5} n={n:<3} out of memory")
                     skipped.append({"trainer": name, "n": n, "reason": "out of memory"})

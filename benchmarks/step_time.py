@@ -11,9 +11,9 @@ machine. Phases, timed by wrapping the trainer's methods and by a callback aroun
 - update: the rest of the optimizer step: forward and backward passes, clipping and the optimizer step.
 
 A rollout serves `num_iterations` optimizer steps (ESPO: 8), so each trainer is timed over whole generation cycles
-after one warm-up step, and its figures are means per optimizer step. Each trainer runs in a fresh process, in rounds
-that run every trainer in turn (2 on the CPU), all in one invocation, so that ratios (BGPO at n_t 16 against VRPO at
-n_t 4) come from the same conditions; each round's means are kept in the JSON. Seconds are wall time on a GPU and
+after one warm-up step, and its figures are means per optimizer step. Each trainer runs in a fresh process (with
+CUDA: all in one spawned process, `_common.job_runner`), in rounds that run every trainer in turn (2 on the CPU),
+all in one invocation, so that ratios (BGPO at n_t 16 against VRPO at n_t 4) come from the same conditions; each round's means are kept in the JSON. Seconds are wall time on a GPU and
 process CPU time on the CPU (one torch thread: the work done, which other processes' load on a shared machine
 changes far less than wall time; see `_common.clock`). Generation is the same work for every trainer (same model,
 prompts and sampler settings), so its spread across trainers shows how steady the clock was.
@@ -57,12 +57,11 @@ from _common import (
     benchmark_parser,
     clock,
     format_table,
-    fresh_process_context,
+    job_runner,
     machine_info,
     make_trainer,
     model_description,
     random_model_dir,
-    run_in_fresh_process,
     save_results,
     select_preset,
     set_threads,
@@ -351,7 +350,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device, preset_name, preset = select_preset(args, PRESETS)
     rounds = args.rounds or preset.rounds
-    context = fresh_process_context(device)
     unit = "CPU s" if device == "cpu" else "s"
     started = time.perf_counter()
     rollout = replace(
@@ -362,7 +360,7 @@ def main(argv=None) -> dict:
     overrides = common_overrides(args)
     plan = planned_runs(args)
 
-    with tempfile.TemporaryDirectory(prefix="trl-diffusion-step-time-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="trl-diffusion-step-time-") as scratch, job_runner(device) as runner:
         scratch = Path(scratch)
         model_dir = random_model_dir(args, scratch, MODEL_SIZES[preset.model])
         job = {
@@ -378,7 +376,7 @@ def main(argv=None) -> dict:
         for round_index in range(rounds):
             for label, name, own in plan:
                 run_job = {**job, "trainer": name, "label": label, "overrides": {**overrides, **own}}
-                run = run_in_fresh_process(context, time_trainer, run_job)
+                run = runner.run(time_trainer, run_job)
                 runs[label].append(run)
                 mean = mean_per_step(run["steps"])
                 print(
@@ -390,7 +388,7 @@ def main(argv=None) -> dict:
         if args.samples_per_backward:
             for result, (label, name, own) in zip(results, plan):
                 memory_job = {**job, "trainer": name, "label": label, "overrides": {**overrides, **own}}
-                result["update_memory"] = run_in_fresh_process(context, measure_update_memory, memory_job)
+                result["update_memory"] = runner.run(measure_update_memory, memory_job)
         model = model_description(model_dir)
 
     vrpo = next((result for result in results if result["trainer"] == "vrpo"), None)

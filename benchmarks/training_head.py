@@ -45,11 +45,10 @@ from _common import (
     benchmark_parser,
     clock,
     format_table,
-    fresh_process_context,
+    job_runner,
     machine_info,
     mib,
     resolve_device,
-    run_in_fresh_process,
     set_threads,
     write_json,
 )
@@ -217,11 +216,11 @@ def run_shape(name: str, shape: Shape, device: str, preset: Preset, threads: int
             torch.testing.assert_close(got, expected, **tolerance)
     job = {"size": asdict(shape.size), "shape": [shape.rows, shape.prompt_length, shape.completion_length]}
     job.update(device=device, threads=threads)
-    context = fresh_process_context(device)
     peaks = {variant: [] for variant in VARIANTS}
-    for _ in range(preset.memory_repeats):
-        for variant in VARIANTS:
-            peaks[variant].append(run_in_fresh_process(context, peak_memory_job, {**job, "variant": variant}))
+    with job_runner(device) as runner:
+        for _ in range(preset.memory_repeats):
+            for variant in VARIANTS:
+                peaks[variant].append(runner.run(peak_memory_job, {**job, "variant": variant}))
     peak = {variant: statistics.median(values) for variant, values in peaks.items()}
     median = {variant: statistics.median(seconds[variant]) for variant in VARIANTS}
     before, now = VARIANTS[0], VARIANTS[-1]

@@ -3,8 +3,8 @@
 CJ-GRPO replays every denoising step, TraceRL every group of s = 8 steps and AGRPO 24 Monte Carlo steps, so a rollout
 decoded in more steps has more transitions to score. The loss is back-propagated `transitions_per_forward` (8) states
 at a time, so the memory of a step should not grow with the number of denoising steps. Swept: `diffusion_steps`
-16, 32, 64, 128 on a 128-token canvas in 4 blocks of 32. Each point, in a fresh process, decodes one rollout batch
-with the trainer's own sampler (a random-weight LLaDA: not confident, high-entropy predictions), then runs two
+16, 32, 64, 128 on a 128-token canvas in 4 blocks of 32. Each point, in a fresh process (with CUDA: all in one,
+`_common.job_runner`), decodes one rollout batch with the trainer's own sampler (a random-weight LLaDA: not confident, high-entropy predictions), then runs two
 optimizer steps as `Trainer.train` runs them (`training_step`, clipping, the optimizer's step) with activation
 checkpointing as `Trainer.train` enables it, and records, as `benchmarks/memory.py` does, the peak bytes of tensors
 saved for backward (`SavedTensorsMeter`: exact; with checkpointing, only what is saved outside the checkpointed
@@ -39,13 +39,12 @@ from _common import (
     RolloutSize,
     benchmark_parser,
     format_table,
-    fresh_process_context,
+    job_runner,
     machine_info,
     make_trainer,
     mib,
     model_description,
     random_model_dir,
-    run_in_fresh_process,
     save_results,
     select_preset,
     set_threads,
@@ -167,9 +166,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device, preset_name, preset = select_preset(args, PRESETS)
     checkpointing = args.gradient_checkpointing == "true"
-    context = fresh_process_context(device)
     points = []
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, job_runner(device) as runner:
         model_dir = random_model_dir(args, Path(scratch), MODEL_SIZES[preset.size])
         for name in TRAINERS:
             for steps in preset.points:
@@ -183,7 +181,7 @@ def main(argv=None) -> dict:
                     "model_dir": str(model_dir),
                     "output_dir": str(Path(scratch) / f"{name}-{steps}"),
                 }
-                points.append(run_in_fresh_process(context, measure_point, job))
+                points.append(runner.run(measure_point, job))
         model = model_description(model_dir)
     checks = acceptance(points)
     headers = ["trainer", "steps", "transitions", "forwards", "saved peak MiB", "process peak MiB", "step s"]

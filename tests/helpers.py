@@ -359,3 +359,18 @@ def direct_logps(model, adapter, prompt_ids, prompt_mask, canvas, masked, temper
     logits = logits[-canvas.shape[0] :].float() / temperature
     logits[:, adapter.mask_token_id] = -math.inf
     return logits.log_softmax(-1).gather(-1, canvas[:, None]).squeeze(-1)
+
+
+def process_id(job) -> int:
+    """A benchmark job (`benchmarks/_common.job_runner`) that returns the id of the process it runs in."""
+    return os.getpid()
+
+
+def exit_process(code: int) -> None:
+    """A benchmark job that kills its process with exit code `code` (as an out-of-memory kill would)."""
+    os._exit(code)
+
+
+def raise_value_error(message: str) -> None:
+    """A benchmark job that fails."""
+    raise ValueError(message)

@@ -3,6 +3,7 @@ the schema the docs read, and a PNG. The GPU check exits cleanly without a GPU, 
 the CPU at the smoke sizes) writes its summary. Measured figures are not checked here: see benchmarks/README.md."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,9 @@ import trajectory_memory  # noqa: E402
 
 sys.path.insert(0, str(BENCHMARKS / "gpu"))
 import check  # noqa: E402
+from _common import job_runner  # noqa: E402
+
+from helpers import exit_process, process_id, raise_value_error  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MACHINE_KEYS = {"cpu_model", "cpu_count", "torch_threads", "torch", "device"}
@@ -50,6 +54,23 @@ def test_help(module, capsys):
         module.parse_args(["--help"])
     assert exit_info.value.code == 0
     assert "--output-dir" in capsys.readouterr().out
+
+
+def test_job_runner_reuses_one_process_or_starts_one_per_job():
+    """With CUDA the jobs of a stage run in one process (the GPU check's budget), on the CPU each in its own (the CPU
+    figures carry over within a process): checked here with `reuse` forced, on the CPU. A job that kills the reused
+    process is reported and the next job gets a new one."""
+    with job_runner("cpu", reuse=True) as runner:
+        first = runner.run(process_id, None)
+        assert runner.run(process_id, None) == first != os.getpid()
+        with pytest.raises(RuntimeError, match="raise_value_error failed in its process:(.|\n)*ValueError: bad"):
+            runner.run(raise_value_error, "bad")
+        assert runner.run(process_id, None) == first  # an exception does not cost the process
+        with pytest.raises(RuntimeError, match="exit_process died with exit code 3"):
+            runner.run(exit_process, 3)
+        assert runner.run(process_id, None) not in (first, os.getpid())
+    with job_runner("cpu") as runner:
+        assert len({runner.run(process_id, None) for _ in range(2)} | {os.getpid()}) == 3
 
 
 # Slow (18 s): the suite's 10-minute budget; `make test-slow` runs it.
