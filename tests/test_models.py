@@ -3,6 +3,9 @@ bidirectionally, Auto-class loading without remote code, masks, caches, gradient
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -547,3 +550,30 @@ def test_dream_published_config_loads_without_remote_code(tiny_dream, tiny_token
             assert type(reloaded) is DreamModel
             assert reloaded.config.rope_parameters["rope_theta"] == 1e6 and reloaded.config.is_causal is False
             assert torch.equal(reloaded(input_ids, use_cache=False).logits, expected)
+
+
+REGISTRATION_CHECK = (
+    "from transformers import AutoConfig, AutoModelForCausalLM\n"
+    "config = AutoConfig.for_model('llada', d_model=32, n_heads=2, n_kv_heads=2, n_layers=1, mlp_hidden_size=64)\n"
+    "assert type(AutoModelForCausalLM.from_config(config)).__name__ == 'LLaDAModelLM'\n"
+)
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import trl_diffusion\nfrom transformers import AutoModelForCausalLM",  # modeling_auto runs configuration_auto
+        "import trl_diffusion\nfrom transformers import AutoConfig",
+        "from transformers import AutoModelForCausalLM\nimport trl_diffusion",  # registered at once
+        "import trl_diffusion.demo",  # the README's main job
+    ],
+    ids=["package-then-model-auto", "package-then-config-auto", "auto-then-package", "demo"],
+)
+def test_native_models_are_registered_in_a_fresh_interpreter_whatever_the_import_order(imports):
+    """The Auto classes know the native models after `import trl_diffusion`, whichever transformers Auto module is
+    imported first and whenever: in a fresh interpreter (the suite's own imports would hide the order)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", imports + "\n" + REGISTRATION_CHECK], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

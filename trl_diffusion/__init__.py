@@ -29,8 +29,14 @@ def _register_models() -> None:
         importlib.import_module(".models", __name__)
 
 
+# The Auto modules running now under a `_RegisteringLoader`: transformers' `modeling_auto` imports
+# `configuration_auto` halfway through its own run, and the models can only be registered once neither is unfinished.
+_RUNNING_AUTO_MODULES: set[str] = set()
+
+
 class _RegisteringLoader(importlib.abc.Loader):
-    """The loader of a transformers Auto module, which registers the native models once the module has run."""
+    """The loader of a transformers Auto module, which registers the native models once the module has run (and no
+    other Auto module is still running: the last one to finish registers)."""
 
     def __init__(self, loader: importlib.abc.Loader):
         self.loader = loader
@@ -39,8 +45,13 @@ class _RegisteringLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _register_models()
+        _RUNNING_AUTO_MODULES.add(module.__name__)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            _RUNNING_AUTO_MODULES.discard(module.__name__)
+        if not _RUNNING_AUTO_MODULES:
+            _register_models()
 
     def __getattr__(self, name: str):  # get_source, get_resource_reader, ... of the wrapped loader
         return getattr(self.loader, name)
