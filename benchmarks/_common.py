@@ -71,21 +71,26 @@ MODEL_SIZES = {
 }
 
 
-def build_model_dir(path: Path, size: ModelSize, seed: int = 0) -> Path:
-    """Builds a LLaDA of `size` with random weights and the character-level tokenizer, and saves both to `path` like a
-    checkpoint (trainers load it, and their reference or old-policy copies, by path). With a vocabulary larger than the
-    tokenizer's, the extra ids decode to nothing: rewards see shorter text, the model computes at full width."""
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_llada(
+def random_llada(size: ModelSize, tokenizer, **kwargs) -> LLaDAModelLM:
+    """A native LLaDA of `size` with random weights for `tokenizer`; `kwargs` go to `build_tiny_llada` (seed, dtype,
+    context length)."""
+    return build_tiny_llada(
         tokenizer,
         d_model=size.d_model,
         n_layers=size.n_layers,
         n_heads=size.n_heads,
         mlp_hidden_size=size.mlp_hidden_size,
-        max_sequence_length=4096,
         vocab_size=size.vocab_size,
-        seed=seed,
+        **kwargs,
     )
+
+
+def build_model_dir(path: Path, size: ModelSize, seed: int = 0) -> Path:
+    """Builds a LLaDA of `size` with random weights and the character-level tokenizer, and saves both to `path` like a
+    checkpoint (trainers load it, and their reference or old-policy copies, by path). With a vocabulary larger than the
+    tokenizer's, the extra ids decode to nothing: rewards see shorter text, the model computes at full width."""
+    tokenizer = build_tiny_tokenizer()
+    model = random_llada(size, tokenizer, max_sequence_length=4096, seed=seed)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

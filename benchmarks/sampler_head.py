@@ -33,13 +33,14 @@ from _common import (
     clock,
     format_table,
     machine_info,
+    random_llada,
     select_preset,
     set_threads,
     write_json,
 )
 
 from trl_diffusion.generation import CACHE_MODES, DiffusionGenerationConfig, generate
-from trl_diffusion.models import DiffusionAdapter, build_tiny_llada, build_tiny_tokenizer
+from trl_diffusion.models import DiffusionAdapter, build_tiny_tokenizer
 from trl_diffusion.tasks import get_task
 
 HEADS = ("whole canvas", "used positions")
@@ -96,15 +97,7 @@ def main(argv=None) -> dict:
 
     tokenizer = build_tiny_tokenizer()
     size = preset.size
-    model = build_tiny_llada(
-        tokenizer,
-        d_model=size.d_model,
-        n_layers=size.n_layers,
-        n_heads=size.n_heads,
-        mlp_hidden_size=size.mlp_hidden_size,
-        vocab_size=size.vocab_size,
-        dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-    )
+    model = random_llada(size, tokenizer, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
     adapter = DiffusionAdapter.from_model(model, tokenizer)
     models = {HEADS[0]: WholeCanvasHead(model, preset.max_completion_length), HEADS[1]: model}

@@ -48,6 +48,7 @@ from _common import (
     job_runner,
     machine_info,
     mib,
+    random_llada,
     resolve_device,
     set_threads,
     write_json,
@@ -56,7 +57,7 @@ from memory import PeakMemory
 
 from trl_diffusion.likelihood import masked_token_logprobs
 from trl_diffusion.masking import new_mask_seeds, sample_masks
-from trl_diffusion.models import DiffusionAdapter, build_tiny_llada, build_tiny_tokenizer
+from trl_diffusion.models import DiffusionAdapter, build_tiny_tokenizer
 
 # The previous code; the fused log-softmax alone; and the head at the scored positions too (the package).
 VARIANTS = ("before", "log-softmax", "scored head")
@@ -156,15 +157,7 @@ def setup(shape: Shape, device: str):
     """The model in train mode with activation checkpointing, the batch's masks, and `step(variant)`: one timed
     forward + backward returning `(seconds, log-probs, gradients)`."""
     tokenizer = build_tiny_tokenizer()
-    size = shape.size
-    model = build_tiny_llada(
-        tokenizer,
-        d_model=size.d_model,
-        n_layers=size.n_layers,
-        n_heads=size.n_heads,
-        mlp_hidden_size=size.mlp_hidden_size,
-        vocab_size=size.vocab_size,
-    ).to(device)
+    model = random_llada(shape.size, tokenizer).to(device)
     model.train()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     adapter = DiffusionAdapter.from_model(model, tokenizer)
