@@ -4,9 +4,9 @@ transformers composes `LogitsProcessor`s and `StoppingCriteria`).
 A step of [`generate`] runs the model, then:
 
 1. `read_logits`: every [`DecodingFeature`] may read the step's raw logits (before they are freed);
-2. every feature's `process_logits` may change the committable positions' logits (top-k, top-p), which the
+2. every feature's `process_logits` may change the candidate positions' logits (top-k, top-p), which the
    proposer, the confidence and the recorded log-probs all read; the [`Proposer`] proposes a token for each
-   committable position (argmax, or Gumbel-max at a temperature);
+   candidate position (argmax, or Gumbel-max at a temperature);
 3. the [`Confidence`] scores each proposal, and every feature's `process_confidence` may change the scores;
 4. the schedule says how many proposals each row commits, and every feature's `commit_count` may change that;
 5. every feature's `rank` may add committed positions to the ranking (with their confidences and counts);
@@ -15,7 +15,14 @@ A step of [`generate`] runs the model, then:
 8. every feature's `stop` may finish rows (and fill their masks);
 
 with `setup` before the first step, `before_forward` before each step's model calls, and `finish` adding the
-feature's fields to the output. [`DiffusionGenerationConfig.decoding`] builds the objects from the settings: a new
+feature's fields to the output.
+
+The step's proposals sit at the [`Candidates`] of `state.candidates`: the committable positions one after the other
+(`(num_committable,)`, on the CPU), or every position the step read for each row (`(rows, positions)`, on an
+accelerator, `valid` marking the committable ones), which needs no host synchronization. A hook reads per-row values
+at `state.candidates.rows` and works on any leading shape. A feature whose `stop` or `commit_count` depends on the
+model's outputs sets `fixed_schedule = False`: the steps of a block are then no longer known in advance, and the loop
+looks on the host at every step which rows enter a block or finish. [`DiffusionGenerationConfig.decoding`] builds the objects from the settings: a new
 decoding feature is one new class here and one line there.
 """
 
@@ -32,7 +39,7 @@ from .noise import _gumbel_max, _uniform_noise
 
 if TYPE_CHECKING:
     from .config import DiffusionGenerationConfig
-    from .forward import _Logits
+    from .forward import Candidates, _Logits
     from .state import DecodingState
 
 
@@ -47,26 +54,29 @@ class Commit:
             The committed positions put back to the mask token at this step (None when no feature remasks).
         confidence (`torch.Tensor` of shape `(batch, max_completion_length)`):
             The confidences the positions were ranked by (`-inf` outside the ranking).
-        committable (`torch.BoolTensor` of shape `(batch, max_completion_length)`):
-            The positions that had a proposal, row-major the rows of `logits` and `candidates`.
-        logits (`torch.Tensor` of shape `(num_committable, vocab)`):
+        candidates ([`Candidates`]):
+            The positions of the step's proposals, laid out as `logits` and `tokens`.
+        logits (`torch.Tensor` of shape `(*candidates.shape, vocab)`):
             The float32 (guided) logits of the proposals, the mask token at `-inf`.
-        candidates (`torch.LongTensor` of shape `(num_committable,)`):
+        tokens (`torch.LongTensor` of shape `candidates.shape`):
             The proposed tokens.
     """
 
     chosen: torch.BoolTensor
     displaced: torch.BoolTensor | None
     confidence: torch.Tensor
-    committable: torch.BoolTensor
+    candidates: Candidates
     logits: torch.Tensor
-    candidates: torch.LongTensor
+    tokens: torch.LongTensor
 
 
 class DecodingFeature:
     """A decoding feature: hooks that [`generate`] calls at fixed points of every step (see the module docstring).
     Each default does nothing; a feature overrides the ones it needs. Per-generation tensors are made in `setup`, so
     that one object serves one call of [`generate`]."""
+
+    # Whether every block still takes the schedule's `steps_per_block` steps with this feature.
+    fixed_schedule = True
 
     def setup(self, state: DecodingState) -> None:
         """Before the first step."""
@@ -78,13 +88,13 @@ class DecodingFeature:
         """The step's raw logits, before they are freed."""
 
     def process_logits(self, state: DecodingState, logits: torch.Tensor) -> torch.Tensor:
-        """The float32 logits of the committable positions, `(num_committable, vocab)`, changed or not."""
+        """The float32 logits of the candidate positions, `(*state.candidates.shape, vocab)`, changed or not."""
         return logits
 
     def process_confidence(
-        self, state: DecodingState, candidates: torch.LongTensor, confidence: torch.Tensor
+        self, state: DecodingState, tokens: torch.LongTensor, confidence: torch.Tensor
     ) -> torch.Tensor:
-        """The confidences of the proposals `candidates` (committable positions, row-major), changed or not."""
+        """The confidences of the proposed `tokens` (of the shape of `state.candidates`), changed or not."""
         return confidence
 
     def commit_count(
@@ -119,10 +129,10 @@ class DecodingFeature:
 
 
 class Proposer:
-    """Proposes a token for each committable position."""
+    """Proposes a token for each candidate position."""
 
     def propose(self, state: DecodingState, logits: torch.Tensor) -> torch.LongTensor:
-        """Tokens for the float32 logits of shape `(num_committable, vocab)` (row-major over the rows)."""
+        """Tokens for the float32 logits of shape `(*state.candidates.shape, vocab)`."""
         raise NotImplementedError
 
 
@@ -140,8 +150,7 @@ class GumbelMaxProposer(Proposer):
     temperature: float
 
     def propose(self, state, logits):
-        uniform = _uniform_noise(state.row_counts, logits.shape[1:], state.generator, state.device, torch.float64)
-        return _gumbel_max(logits, self.temperature, uniform)
+        return _gumbel_max(logits, self.temperature, _candidate_noise(state, logits.shape[-1:], torch.float64))
 
 
 # How confident each proposal is (`remasking`), from the un-noised float32 logits.
@@ -150,38 +159,56 @@ class GumbelMaxProposer(Proposer):
 class Confidence:
     """Scores each proposal; the most confident are committed."""
 
-    def score(self, state: DecodingState, logits: torch.Tensor, candidates: torch.LongTensor) -> torch.Tensor:
-        """Confidences of shape `(num_committable,)` for the proposals `candidates` of the logits."""
+    def score(self, state: DecodingState, logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+        """Confidences of the shape of `tokens` for the proposed `tokens` of the logits."""
         raise NotImplementedError
 
 
 class ProbabilityConfidence(Confidence):
     """`remasking="low_confidence"`: the probability of the proposed token."""
 
-    def score(self, state, logits, candidates):
-        return logits.softmax(dim=-1).gather(-1, candidates[:, None]).squeeze(-1)
+    def score(self, state, logits, tokens):
+        return logits.softmax(dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 class RandomConfidence(Confidence):
     """`remasking="random"`: uniform scores, drawn after the proposals' noise."""
 
-    def score(self, state, logits, candidates):
-        return _uniform_noise(state.row_counts, (), state.generator, state.device, torch.float32)
+    def score(self, state, logits, tokens):
+        return _candidate_noise(state, (), torch.float32)
 
 
 class EntropyConfidence(Confidence):
     """`remasking="entropy"`: the negative entropy of the prediction (higher is more confident)."""
 
-    def score(self, state, logits, candidates):
+    def score(self, state, logits, tokens):
         return _negative_entropy(logits.log_softmax(dim=-1))
 
 
 class MarginConfidence(Confidence):
     """`remasking="margin"`: the top-1 minus the top-2 probability."""
 
-    def score(self, state, logits, candidates):
+    def score(self, state, logits, tokens):
         top2 = logits.softmax(dim=-1).topk(2, dim=-1).values
-        return top2[:, 0] - top2[:, 1]
+        return top2[..., 0] - top2[..., 1]
+
+
+def _candidate_noise(state: DecodingState, trailing_shape: tuple[int, ...], dtype) -> torch.Tensor:
+    """Uniform noise of shape `(*state.candidates.shape, *trailing_shape)`, from the one generator or each row's."""
+    candidates, generator = state.candidates, state.generator
+    if candidates.valid is None:
+        row_counts = torch.bincount(candidates.rows, minlength=len(state.completion))
+        return _uniform_noise(row_counts, trailing_shape, generator, state.device, dtype)
+    # Every position the step read, for each active row: as many draws for each, known on the host.
+    shape = (candidates.shape[1], *trailing_shape)
+    if isinstance(generator, torch.Generator):
+        return torch.rand((candidates.shape[0], *shape), generator=generator, device=state.device, dtype=dtype)
+    return torch.stack(
+        [
+            torch.rand(shape, generator=generator[row], device=state.device, dtype=dtype)
+            for row in state.active_row_list
+        ]
+    )
 
 
 CONFIDENCES = {
@@ -209,7 +236,7 @@ class TopK(DecodingFeature):
     top_k: int
 
     def process_logits(self, state, logits):
-        kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         return logits.masked_fill(logits < kth, -math.inf)
 
 
@@ -234,8 +261,8 @@ class TopP(DecodingFeature):
 class DeferTerminators(DecodingFeature):
     """`defer_terminators`: terminator proposals get the lowest confidence (LLaDA 1.5's `confidence_eos_eot_inf`)."""
 
-    def process_confidence(self, state, candidates, confidence):
-        is_terminator = torch.isin(candidates, state.terminator_ids)
+    def process_confidence(self, state, tokens, confidence):
+        is_terminator = torch.isin(tokens, state.terminator_ids)
         return confidence.masked_fill(is_terminator, torch.finfo(confidence.dtype).min)
 
 
@@ -245,9 +272,9 @@ class EOSRejection(DecodingFeature):
 
     config: DiffusionGenerationConfig
 
-    def process_confidence(self, state, candidates, confidence):
-        gamma = self.config.eos_rejection_factor(state.block_step).repeat_interleave(state.row_counts)
-        is_terminator = torch.isin(candidates, state.terminator_ids)
+    def process_confidence(self, state, tokens, confidence):
+        gamma = self.config.eos_rejection_factor(state.block_step)[state.candidates.rows]
+        is_terminator = torch.isin(tokens, state.terminator_ids)
         return torch.where(is_terminator, confidence * gamma.to(confidence.dtype), confidence)
 
 
@@ -257,6 +284,7 @@ class Threshold(DecodingFeature):
     schedule's count, at least one)."""
 
     threshold: float
+    fixed_schedule = False
 
     def commit_count(self, state, confidence, count):
         num_confident = (confidence >= self.threshold).sum(dim=1)
@@ -271,12 +299,13 @@ class RunningConfidence(DecodingFeature):
 
     commit_confidence: torch.Tensor | None = field(default=None, repr=False)
     committed: torch.BoolTensor | None = field(default=None, repr=False)
-    remasks_committed: bool = False
+    remasks_committed: torch.BoolTensor | None = field(default=None, repr=False)
 
     def setup(self, state):
         # The confidence each committed position was committed with (-inf where masked).
         self.commit_confidence = torch.full(state.completion.shape, -math.inf, device=state.device)
-        self.remasks_committed = False
+        # A tensor, read once at the end: reading it at every step would wait for the step to finish.
+        self.remasks_committed = torch.zeros((), dtype=torch.bool, device=state.device)
 
     def rank(self, state, confidence, count):
         self.committed = state.in_block & ~state.masked & ~state.finished[:, None]
@@ -287,13 +316,13 @@ class RunningConfidence(DecodingFeature):
         return self.committed & ~kept
 
     def on_commit(self, state, commit):
-        self.remasks_committed = self.remasks_committed or bool(commit.displaced.any())
+        self.remasks_committed = self.remasks_committed | commit.displaced.any()
         self.commit_confidence = torch.where(
             commit.chosen, commit.confidence, self.commit_confidence.masked_fill(commit.displaced, -math.inf)
         )
 
     def finish(self, state, outputs):
-        outputs["remasks_committed"] = self.remasks_committed
+        outputs["remasks_committed"] = bool(self.remasks_committed)
 
 
 @dataclass
@@ -313,14 +342,26 @@ class RecordCommitLogprobs(DecodingFeature):
 
     def on_commit(self, state, commit):
         if commit.displaced is not None:
-            self.logprob[commit.displaced], self.entropy[commit.displaced] = 0.0, 0.0
-            self.sampled[commit.displaced] = False
-        # Only the chosen rows of the candidates: the distributions are never kept past the step.
-        chosen, chosen_candidates = commit.chosen, commit.chosen[commit.committable]
-        log_probs = commit.logits[chosen_candidates].div(self.temperature or 1.0).log_softmax(dim=-1)
-        self.logprob[chosen] = log_probs.gather(-1, commit.candidates[chosen_candidates, None]).squeeze(-1)
-        self.entropy[chosen] = -_negative_entropy(log_probs)
-        self.sampled[chosen] = True
+            self.logprob.masked_fill_(commit.displaced, 0.0)
+            self.entropy.masked_fill_(commit.displaced, 0.0)
+            self.sampled.masked_fill_(commit.displaced, False)
+        candidates, logits, tokens = commit.candidates, commit.logits, commit.tokens
+        rows, positions, chosen = candidates.rows, candidates.positions, candidates.gather(commit.chosen)
+        if candidates.valid is None:
+            # Committable positions one after the other: only the chosen ones' distributions are computed.
+            rows, positions, logits, tokens, chosen = (
+                rows[chosen],
+                positions[chosen],
+                logits[chosen],
+                tokens[chosen],
+                chosen[chosen],
+            )
+        log_probs = logits.div(self.temperature or 1.0).log_softmax(dim=-1)
+        index = (rows, positions)
+        logprob = log_probs.gather(-1, tokens[..., None]).squeeze(-1)
+        self.logprob[index] = torch.where(chosen, logprob, self.logprob[index])
+        self.entropy[index] = torch.where(chosen, -_negative_entropy(log_probs), self.entropy[index])
+        self.sampled[index] = self.sampled[index] | chosen
 
     def finish(self, state, outputs):
         outputs.update(commit_logprob=self.logprob, commit_entropy=self.entropy, commit_sampled=self.sampled)
@@ -330,6 +371,8 @@ class EarlyStop(DecodingFeature):
     """`early_stop`: a row stops once it has committed a terminator with nothing masked before it; its masks (all
     behind the terminator) become the first terminator id."""
 
+    fixed_schedule = False
+
     def stop(self, state, still_masked, done):
         length = still_masked.shape[1]
         first_masked = torch.where(still_masked, state.positions, length).min(dim=1).values
@@ -337,8 +380,8 @@ class EarlyStop(DecodingFeature):
         terminated = (is_terminator & (state.positions < first_masked[:, None])).any(dim=1)
         stopped = terminated & ~done & ~state.finished
         fill = still_masked & stopped[:, None]
-        state.completion[fill] = state.adapter.terminator_ids[0]
-        state.commit_step[fill] = state.step
+        state.completion.masked_fill_(fill, state.adapter.terminator_ids[0])
+        state.commit_step.masked_fill_(fill, state.step)
         return done | stopped
 
 
@@ -349,6 +392,7 @@ class StopPatience(DecodingFeature):
 
     patience: int
     cfg_scale: float
+    fixed_schedule = False
     prediction: torch.LongTensor | None = field(default=None, repr=False)
     stable_steps: torch.LongTensor | None = field(default=None, repr=False)
 
@@ -369,8 +413,8 @@ class StopPatience(DecodingFeature):
     def stop(self, state, still_masked, done):
         stable = (self.stable_steps >= self.patience) & ~done & ~state.finished
         fill = still_masked & stable[:, None]
-        state.completion[fill] = self.prediction[fill]
-        state.commit_step[fill] = state.step
+        state.completion.copy_(torch.where(fill, self.prediction, state.completion))
+        state.commit_step.masked_fill_(fill, state.step)
         return done | stable
 
 
@@ -401,3 +445,8 @@ class Decoding:
     proposer: Proposer
     confidence: Confidence
     features: list[DecodingFeature]
+
+    @property
+    def fixed_schedule(self) -> bool:
+        """Whether every block takes exactly the schedule's `steps_per_block` steps (no feature changes them)."""
+        return all(feature.fixed_schedule for feature in self.features)

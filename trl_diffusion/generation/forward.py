@@ -9,10 +9,51 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..models.adapter import CanvasCache, DiffusionAdapter
+from ..models.adapter import CachedWindow, CanvasCache, DiffusionAdapter
 
 if TYPE_CHECKING:
     from .config import DiffusionGenerationConfig
+    from .state import DecodingState
+
+# Devices on which a step's candidates are the committable positions one after the other: finding them costs a host
+# synchronization, cheap on a CPU, where computing the vocabulary work of every position read would cost more.
+COMPACT_CANDIDATE_DEVICES = ("cpu",)
+
+
+@dataclass
+class Candidates:
+    """Where a step's proposals sit: the (batch row, completion position) pairs `rows`, `positions` (tensors of one
+    shape, the leading shape of the step's candidate logits), each pair at most once.
+
+    Args:
+        rows (`torch.LongTensor`):
+            Batch rows.
+        positions (`torch.LongTensor`):
+            Completion positions.
+        valid (`torch.BoolTensor`, *optional*):
+            Which pairs are committable; None when all are (the committable positions one after the other).
+    """
+
+    rows: torch.LongTensor
+    positions: torch.LongTensor
+    valid: torch.BoolTensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+    def gather(self, full: torch.Tensor) -> torch.Tensor:
+        """The values of a `(batch, L)` tensor at the candidates."""
+        return full[self.rows, self.positions]
+
+    def scatter(self, values: torch.Tensor, fill, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of the shape of `like` (`(batch, L)`) holding `values` at the committable candidates and `fill`
+        everywhere else."""
+        if self.valid is not None:
+            values = values.masked_fill(~self.valid, fill)
+        full = torch.full(like.shape, fill, dtype=values.dtype, device=values.device)
+        full[self.rows, self.positions] = values
+        return full
 
 
 @dataclass
@@ -62,6 +103,25 @@ def _select_logits(pieces: list[_Logits], selected: torch.BoolTensor, cfg_scale:
     return selected_logits
 
 
+def _candidate_logits(pieces: list[_Logits], state: DecodingState) -> tuple[Candidates, torch.Tensor]:
+    """The [`Candidates`] of a step and their float32 (guided) logits, `(*candidates.shape, vocab)`: the committable
+    positions one after the other on the CPU, or with data-dependent steps, or after several model calls; else
+    every position the step's one call read for each row, which needs no host synchronization."""
+    committable, active_rows, cfg_scale = state.committable, state.active_rows, state.config.cfg_scale
+    if len(pieces) > 1 or not state.fixed_schedule or state.device.type in COMPACT_CANDIDATE_DEVICES:
+        rows, positions = committable.nonzero().unbind(1)
+        return Candidates(rows, positions), _select_logits(pieces, committable[active_rows], cfg_scale)
+    piece = pieces[0]
+    rows = active_rows[:, None].expand(-1, len(piece.positions))
+    positions = piece.positions[None, :].expand(len(active_rows), -1)
+    candidates = Candidates(rows, positions, valid=committable[rows, positions])
+    logits = piece.logits.float()
+    if cfg_scale != 0:
+        conditional, unconditional = logits.chunk(2)
+        logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
+    return candidates, logits
+
+
 def _guided(logits: torch.Tensor, selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
     """float32 logits of the `selected` positions (row-major); under classifier-free guidance `logits` stacks the
     conditional rows over the unconditional ones and the guided logits are returned."""
@@ -77,16 +137,25 @@ def _full_pass(
     config: DiffusionGenerationConfig,
     input_ids,
     attention_mask,
-    block_start,
+    positions,
     **kwargs,
 ) -> _Logits:
-    """A pass over the full sequence, with logits where the step reads them (`_logit_positions` of the blocks starting
-    at `block_start`, sequence positions). `kwargs` go to `adapter.logits`."""
-    sequence_length = input_ids.shape[1]
-    prompt_length = sequence_length - config.max_completion_length
-    positions = _logit_positions(block_start, config, prompt_length, sequence_length)
+    """A pass over the full sequence, with logits where the step reads them (`positions`, sequence positions, from
+    `_logit_positions`). `kwargs` go to `adapter.logits`."""
+    prompt_length = input_ids.shape[1] - config.max_completion_length
     logits = adapter.logits(model, input_ids, attention_mask, logit_positions=positions, **kwargs)
     return _Logits(logits, positions - prompt_length)
+
+
+@dataclass
+class _Window:
+    """What a cached pass feeds and reads: each row's positions `start:end` (sequence positions, doubled under
+    guidance), the logits at `positions` (all of `start.min():end.max()` when None), and the adapter's `bounds`."""
+
+    start: torch.LongTensor
+    end: torch.LongTensor
+    positions: torch.LongTensor | None
+    bounds: CachedWindow
 
 
 class _CachedForward:
@@ -101,34 +170,62 @@ class _CachedForward:
     block, so the stored keys and values of the blocks before a row's block are final: this cache is exact.
 
     The cache holds the rows still decoding, ordered as the active rows (then their unconditional copies under
-    guidance); finished rows are dropped from it.
+    guidance); finished rows are dropped from it. Under a fixed schedule the window of the steps at which no row enters
+    a block is worked out once, at the last step at which one did.
     """
 
     def __init__(
-        self, model, adapter: DiffusionAdapter, config: DiffusionGenerationConfig, model_inputs, sequence_shape
+        self,
+        model,
+        adapter: DiffusionAdapter,
+        config: DiffusionGenerationConfig,
+        model_inputs,
+        sequence_shape,
+        fixed_schedule: bool,
     ):
-        self.model, self.adapter, self.config = model, adapter, config
+        self.model, self.adapter, self.config, self.fixed_schedule = model, adapter, config, fixed_schedule
         self.model_inputs = model_inputs  # active rows -> (input_ids, attention_mask), doubled under guidance
         self.batch_size, self.sequence_length = sequence_shape
         self.prompt_length = self.sequence_length - config.max_completion_length
         self.cache = None
         self.cache_ids = None  # sequence row r, and r + batch_size for its unconditional copy
+        self.block_window = None  # under a fixed schedule, the window of the current blocks' later steps
 
-    def num_calls(self, refresh: torch.BoolTensor) -> int:
-        """Model calls that [`__call__`] makes for active rows of which `refresh` enter a block."""
-        return 1 if self.adapter.block_causal or refresh.all() else 1 + int(refresh.any())
+    def num_calls(self, refresh: torch.BoolTensor | None) -> int:
+        """Model calls that [`__call__`] makes for active rows of which `refresh` enter a block (None: none can)."""
+        if refresh is None or self.adapter.block_causal or refresh.all():
+            return 1
+        return 1 + int(refresh.any())
 
     def __call__(
+        self, active_rows: torch.LongTensor, refresh: torch.BoolTensor | None, block_start: torch.LongTensor
+    ) -> list[_Logits]:
+        """Logits of one step for `active_rows`; `refresh` marks the rows entering a block (None: the rows and their
+        blocks are those of the last step, under a fixed schedule), `block_start` gives each row's block (as a
+        position of the full sequence)."""
+        if refresh is None:
+            return [self._window_pass(active_rows, self.block_window)]
+        pieces = self._entering_pass(active_rows, refresh, block_start)
+        if self.fixed_schedule:
+            end = block_start + self.config.block_length
+            if not (self.adapter.block_causal or self.config.generation_cache == "dual"):
+                end = torch.full_like(block_start, self.sequence_length)
+            positions = _logit_positions(block_start, self.config, self.prompt_length, self.sequence_length)
+            self.block_window = self._window(block_start, end.clamp(max=self.sequence_length), positions)
+        return pieces
+
+    def _entering_pass(
         self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
     ) -> list[_Logits]:
-        """Logits of one step for `active_rows`; `refresh` marks the rows entering a block, `block_start` gives each
-        row's block (as a position of the full sequence)."""
+        """[`__call__`] at a step where rows may enter a block or have finished."""
         config, adapter, guided = self.config, self.adapter, self.config.cfg_scale > 0
+        prompt_length, sequence_length = self.prompt_length, self.sequence_length
         ids = torch.cat([active_rows, active_rows + self.batch_size]) if guided else active_rows
         if refresh.all() and not (adapter.block_causal and self.cache is not None):
             self.cache = None  # free the old cache before the new one fills
             cache = CanvasCache()
-            piece = _full_pass(self.model, adapter, config, *self.model_inputs(active_rows), block_start, cache=cache)
+            positions = _logit_positions(block_start, config, prompt_length, sequence_length)
+            piece = _full_pass(self.model, adapter, config, *self.model_inputs(active_rows), positions, cache=cache)
             self.cache, self.cache_ids = cache, ids
             return [piece]
         if not torch.equal(self.cache_ids, ids):
@@ -136,7 +233,13 @@ class _CachedForward:
             self.cache.batch_select_indices(torch.isin(self.cache_ids, ids).nonzero().squeeze(1))
             self.cache_ids = ids
         if adapter.block_causal:
-            return [self._block_causal_pass(active_rows, refresh, block_start)]
+            # A row entering a block also feeds the block it finished.
+            start = torch.where(refresh, block_start - config.block_length, block_start)
+            end = (block_start + config.block_length).clamp(max=sequence_length)
+            if config.stop_patience is not None:
+                end = torch.full_like(start, sequence_length)
+            positions = _logit_positions(block_start, config, prompt_length, sequence_length)
+            return [self._window_pass(active_rows, self._window(start, end, positions))]
 
         def cache_rows(index):
             return torch.cat([index, index + len(active_rows)]) if guided else index
@@ -145,12 +248,13 @@ class _CachedForward:
         refreshed = refresh.nonzero().squeeze(1)
         cached = (~refresh).nonzero().squeeze(1)
         if len(refreshed) > 0:
+            positions = _logit_positions(block_start[refreshed], config, prompt_length, sequence_length)
             piece = _full_pass(
                 self.model,
                 adapter,
                 config,
                 *self.model_inputs(active_rows[refreshed]),
-                block_start[refreshed],
+                positions,
                 cache=self.cache,
                 cache_rows=cache_rows(refreshed),
             )
@@ -160,43 +264,41 @@ class _CachedForward:
         end = (
             start + config.block_length
             if config.generation_cache == "dual"
-            else torch.full_like(start, self.sequence_length)
+            else torch.full_like(start, sequence_length)
         )
         positions = None
         if config.stop_patience is None:
-            positions = _logit_positions(start, config, self.prompt_length, self.sequence_length)
-        if guided:
-            start, end = start.repeat(2), end.repeat(2)
-        logits = adapter.cached_logits(
-            self.model,
-            *self.model_inputs(active_rows[cached]),
-            self.cache,
-            start,
-            end,
-            cache_rows=cache_rows(cached) if len(refreshed) > 0 else None,
-            logit_positions=positions,
+            positions = _logit_positions(start, config, prompt_length, sequence_length)
+        window = self._window(start, end, positions)
+        piece = self._window_pass(
+            active_rows[cached], window, cache_rows=cache_rows(cached) if len(refreshed) > 0 else None
         )
-        if positions is None:
-            positions = torch.arange(int(start.min()), int(end.max()), device=logits.device)
-        pieces.append(_Logits(logits, positions - self.prompt_length, rows=cached if pieces else None))
+        piece.rows = cached if pieces else None
+        pieces.append(piece)
         return pieces
 
-    def _block_causal_pass(
-        self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor
-    ) -> _Logits:
-        """The one pass of a block-causal model's later steps: each row's block, from the start of the block it
-        finished when `refresh` (it enters a block), against the cache."""
-        config, block_length = self.config, self.config.block_length
-        start = torch.where(refresh, block_start - block_length, block_start)
-        end = (block_start + block_length).clamp(max=self.sequence_length)
-        if config.stop_patience is not None:
-            end = torch.full_like(start, self.sequence_length)
-        positions = _logit_positions(block_start, config, self.prompt_length, self.sequence_length)
-        if config.cfg_scale > 0:
+    def _window(self, start: torch.LongTensor, end: torch.LongTensor, positions: torch.LongTensor | None) -> _Window:
+        if self.config.cfg_scale > 0:
             start, end = start.repeat(2), end.repeat(2)
+        return _Window(start, end, positions, self.adapter.cached_window(start, end))
+
+    def _window_pass(
+        self, active_rows: torch.LongTensor, window: _Window, cache_rows: torch.LongTensor | None = None
+    ) -> _Logits:
+        """The logits of a pass over `window` for `active_rows`, every other position read from the cache."""
         logits = self.adapter.cached_logits(
-            self.model, *self.model_inputs(active_rows), self.cache, start, end, logit_positions=positions
+            self.model,
+            *self.model_inputs(active_rows),
+            self.cache,
+            window.start,
+            window.end,
+            cache_rows=cache_rows,
+            logit_positions=window.positions,
+            window=window.bounds,
         )
+        positions = window.positions
+        if positions is None:
+            positions = torch.arange(window.bounds.first, window.bounds.last, device=logits.device)
         return _Logits(logits, positions - self.prompt_length)
 
 
@@ -238,18 +340,21 @@ class _StepForward:
 
     def __init__(self, model, adapter: DiffusionAdapter, config: DiffusionGenerationConfig, state, lockstep: bool):
         self.model, self.adapter, self.config, self.lockstep = model, adapter, config, lockstep
-        self.sequence = state.sequence
+        self.sequence, self.prompt_length = state.sequence, state.prompt_length
         self.model_inputs = _ModelInputs(
             state.sequence, state.attention_mask, state.prompt_length, state.mask_token_id, config.cfg_scale
         )
         self.cached_forward = None
         if config.generation_cache != "none":
-            self.cached_forward = _CachedForward(model, adapter, config, self.model_inputs, state.sequence.shape)
+            self.cached_forward = _CachedForward(
+                model, adapter, config, self.model_inputs, state.sequence.shape, state.fixed_schedule
+            )
         self.num_forward_passes = 0
+        self.positions = None  # the full pass's logit positions, kept while the rows stay in their blocks
 
-    def plan(self, active_rows: torch.LongTensor, refresh: torch.BoolTensor) -> int:
-        """Model calls of this step (`refresh`: the active rows entering a block); 0 when every row is finished, on
-        every process under `lockstep`, whose count is the most any process makes."""
+    def plan(self, active_rows: torch.LongTensor, refresh: torch.BoolTensor | None) -> int:
+        """Model calls of this step (`refresh`: the active rows entering a block, None for none); 0 when every row is
+        finished, on every process under `lockstep`, whose count is the most any process makes."""
         if not self.lockstep:
             return int(len(active_rows) > 0)
         # Under FSDP or ZeRO-3 each forward gathers parameters in collectives that every process must join.
@@ -264,13 +369,22 @@ class _StepForward:
         self.num_forward_passes += num_calls
 
     def __call__(
-        self, active_rows: torch.LongTensor, refresh: torch.BoolTensor, block_start: torch.LongTensor, num_calls: int
+        self,
+        active_rows: torch.LongTensor,
+        refresh: torch.BoolTensor | None,
+        block_start: torch.LongTensor,
+        num_calls: int,
     ) -> list[_Logits]:
-        """The logits of one step for `active_rows`, whose blocks start at `block_start` (sequence positions)."""
-        if self.cached_forward is None:
-            logits = [_full_pass(self.model, self.adapter, self.config, *self.model_inputs(active_rows), block_start)]
-        else:
+        """The logits of one step for `active_rows`, whose blocks start at `block_start` (sequence positions);
+        `refresh` marks the rows entering a block (None: the rows and their blocks are those of the last step)."""
+        if self.cached_forward is not None:
             logits = self.cached_forward(active_rows, refresh, block_start)
+        else:
+            if refresh is not None:
+                self.positions = _logit_positions(block_start, self.config, self.prompt_length, self.sequence.shape[1])
+            logits = [
+                _full_pass(self.model, self.adapter, self.config, *self.model_inputs(active_rows), self.positions)
+            ]
         self.num_forward_passes += len(logits)
         if self.lockstep:
             self.idle(num_calls - len(logits))

@@ -12,7 +12,7 @@ from ..models.adapter import DiffusionAdapter
 from .checks import _check_inputs, _lockstep, _vocab_size
 from .config import DiffusionGenerationConfig
 from .features import Commit, Decoding
-from .forward import _Logits, _select_logits, _StepForward
+from .forward import _candidate_logits, _Logits, _StepForward
 from .noise import GeneratorLike, _default_generator
 from .output import DiffusionGenerationOutput
 from .state import DecodingState
@@ -76,16 +76,16 @@ def generate(
     _check_inputs(input_ids, attention_mask, config, adapter, generator, _vocab_size(model))
     lockstep = _lockstep(synchronize)
     generator = _default_generator(generator, config, input_ids.device)
-    state = DecodingState(input_ids, attention_mask, config, adapter, generator)
-    forward = _StepForward(model, adapter, config, state, lockstep)
     decoding = config.decoding()
+    state = DecodingState(input_ids, attention_mask, config, adapter, generator, decoding.fixed_schedule)
+    forward = _StepForward(model, adapter, config, state, lockstep)
     for feature in decoding.features:
         feature.setup(state)
 
     bar = tqdm(total=state.num_blocks * config.steps_per_block, desc="Denoising", disable=not progress_bar)
     while True:
         entered = state.enter_blocks()
-        refresh = entered[state.active_rows]
+        refresh = None if entered is None else entered[state.active_rows]
         num_calls = forward.plan(state.active_rows, refresh)
         if num_calls == 0:
             break
@@ -119,38 +119,34 @@ def generate(
 
 
 def _denoise(state: DecodingState, decoding: Decoding, logits: list[_Logits]) -> None:
-    """One step's proposals, confidences and commits, from the step's model calls (`logits`, freed here before the
-    float64 noise is drawn). Everything up to the commit sees only the committable positions, `(num, vocab)`."""
-    features, committable = decoding.features, state.committable
-    candidate_logits = _select_logits(logits, committable[state.active_rows], state.config.cfg_scale)
+    """One step's proposals, confidences and commits, from the step's model calls (`logits`, freed here once the
+    candidates' logits are taken). Everything up to the commit sees only the candidates (`state.candidates`)."""
+    features = decoding.features
+    state.candidates, candidate_logits = _candidate_logits(logits, state)
     for feature in features:
         feature.read_logits(state, logits)
     del logits
     # Committing the mask token would leave the position masked: it is never a proposal.
-    candidate_logits[:, state.mask_token_id] = -math.inf
+    candidate_logits[..., state.mask_token_id] = -math.inf
     for feature in features:
         candidate_logits = feature.process_logits(state, candidate_logits)
-    state.row_counts = committable.sum(dim=1)
-    candidates = decoding.proposer.propose(state, candidate_logits)
-    confidence = decoding.confidence.score(state, candidate_logits, candidates)
+    tokens = decoding.proposer.propose(state, candidate_logits)
+    confidence = decoding.confidence.score(state, candidate_logits, tokens)
     for feature in features:
-        confidence = feature.process_confidence(state, candidates, confidence)
+        confidence = feature.process_confidence(state, tokens, confidence)
 
     # Outside the committable positions the confidence is -inf, so they are never chosen.
-    full_confidence = torch.full(state.completion.shape, -math.inf, device=state.device)
-    full_confidence[committable] = confidence.float()
-    proposals = state.completion.clone()
-    proposals[committable] = candidates
+    full_confidence = state.candidates.scatter(confidence.float(), -math.inf, state.completion)
     count = state.scheduled_count()
     for feature in features:
         count = feature.commit_count(state, full_confidence, count)
-    count = torch.minimum(count, state.row_counts)
+    count = torch.minimum(count, state.committable.sum(dim=1))
     for feature in features:
         full_confidence, count = feature.rank(state, full_confidence, count)
     # A stable sort breaks ties towards the lowest position, the same in a batch as alone.
     order = full_confidence.argsort(dim=1, descending=True, stable=True)
-    kept = torch.zeros_like(committable).scatter(1, order, state.positions[None, :] < count[:, None])
-    chosen = kept & committable
+    kept = torch.zeros_like(state.committable).scatter(1, order, state.positions[None, :] < count[:, None])
+    chosen = kept & state.committable
 
     displaced = None
     for feature in features:
@@ -158,10 +154,11 @@ def _denoise(state: DecodingState, decoding: Decoding, logits: list[_Logits]) ->
         if remasked is not None:
             displaced = remasked if displaced is None else displaced | remasked
     if displaced is not None:
-        state.completion[displaced] = state.mask_token_id
-        state.commit_step[displaced] = -1
-    state.completion[chosen] = proposals[chosen]
-    state.commit_step[chosen] = state.step
-    commit = Commit(chosen, displaced, full_confidence, committable, candidate_logits, candidates)
+        state.completion.masked_fill_(displaced, state.mask_token_id)
+        state.commit_step.masked_fill_(displaced, -1)
+    proposals = state.candidates.scatter(tokens, state.mask_token_id, state.completion)
+    state.completion.copy_(torch.where(chosen, proposals, state.completion))
+    state.commit_step.masked_fill_(chosen, state.step)
+    commit = Commit(chosen, displaced, full_confidence, state.candidates, candidate_logits, tokens)
     for feature in features:
         feature.on_commit(state, commit)

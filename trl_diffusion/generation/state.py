@@ -17,8 +17,13 @@ class DecodingState:
     completion part: committing into it writes the sequence), `commit_step` (`(batch, L)`, -1 where masked), `finished`
     and `steps_per_row` (`(batch,)`), each row's current block (`block_index`) and step in it (`block_step`), and
     `step`, the step counter. Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
-    `committable` (`(batch, L)`), `active_rows` (the rows still decoding) and `row_counts` (committable positions per
-    row). Fixed: `config`, `adapter`, `generator`, `terminator_ids` (a tensor) and `positions` (`0 .. L - 1`).
+    `committable` (`(batch, L)`), `active_rows` (the rows still decoding), `candidates` (the [`Candidates`] of the
+    step's proposals). `active_row_list` (the active rows on the host, looked up with them). Fixed: `config`, `adapter`,
+    `generator`, `terminator_ids` (a tensor), `positions` (`0 .. L - 1`) and `fixed_schedule`.
+
+    With `fixed_schedule` (no decoding feature changes the steps of a block), a block ends at the last step of the
+    schedule that commits a token (its counts sum to its masks), which is known when the row enters it: the steps
+    before the next row's block ends need nothing from the device (no host synchronization).
     """
 
     def __init__(
@@ -28,8 +33,10 @@ class DecodingState:
         config: DiffusionGenerationConfig,
         adapter: DiffusionAdapter,
         generator: GeneratorLike,
+        fixed_schedule: bool = False,
     ):
         self.config, self.adapter, self.generator, self.attention_mask = config, adapter, generator, attention_mask
+        self.fixed_schedule = fixed_schedule
         self.device = device = input_ids.device
         batch_size, self.prompt_length = input_ids.shape
         length, self.mask_token_id = config.max_completion_length, adapter.mask_token_id
@@ -56,13 +63,23 @@ class DecodingState:
         self.block_index = torch.full((batch_size,), -1, dtype=torch.long, device=device)
         self.block_step = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.block_counts = torch.zeros((batch_size, config.steps_per_block), dtype=torch.long, device=device)
+        # Under `fixed_schedule`: the step at which each row's block is complete, and the first of them over the rows.
+        self.block_end_step = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.next_block_end = 0
         self.step = 0
-        self.masked = self.in_block = self.committable = self.active_rows = self.row_counts = None
+        self.masked = self.in_block = self.committable = self.active_rows = self.active_row_list = self.candidates = (
+            None
+        )
 
-    def enter_blocks(self) -> torch.BoolTensor:
+    def enter_blocks(self) -> torch.BoolTensor | None:
         """Starts a step: each row decodes the first block that still has masks (rows may be in different blocks under
-        `threshold`; a finished row reads its last position's block, unused). Returns the rows entering a block."""
+        `threshold`; a finished row reads its last position's block, unused). Returns the rows entering a block, or
+        None when, under `fixed_schedule`, no row can enter a block or have finished (the blocks and the active rows
+        are those of the last step)."""
         self.masked = masked = self.completion == self.mask_token_id
+        if self.fixed_schedule and self.step < self.next_block_end:
+            self.committable = masked & self.in_block & ~self.finished[:, None]
+            return None
         last = self.positions.shape[0] - 1
         first_masked = torch.where(masked, self.positions, last).min(dim=1).values
         current_block = self.position_blocks.gather(1, first_masked[:, None]).squeeze(1)
@@ -77,7 +94,14 @@ class DecodingState:
                 self.committable.sum(dim=1), self.config.steps_per_block, self.config.schedule
             )
             self.block_counts = torch.where(entered[:, None], counts, self.block_counts)
+            # A block with fewer masks than steps ends after the schedule's last step with a commit.
+            trailing_zeros = (counts.flip(1) == 0).long().cumprod(dim=1).sum(dim=1)
+            block_end = self.step + self.config.steps_per_block - trailing_zeros
+            self.block_end_step = torch.where(entered, block_end, self.block_end_step)
         self.active_rows = (~self.finished).nonzero().squeeze(1)
+        self.active_row_list = self.active_rows.tolist()
+        if self.fixed_schedule and len(self.active_rows) > 0:
+            self.next_block_end = int(self.block_end_step[self.active_rows].min())
         return entered
 
     def block_start(self) -> torch.LongTensor:
@@ -90,7 +114,7 @@ class DecodingState:
 
     def end_step(self, done: torch.BoolTensor) -> None:
         """Ends a step: the rows `done` are finished, the others move one step on in their block."""
-        self.steps_per_row[done] = self.step + 1
+        self.steps_per_row = torch.where(done, self.step + 1, self.steps_per_row)
         self.finished = self.finished | done
         self.block_step = self.block_step + (~self.finished).long()
         self.step += 1

@@ -8,7 +8,14 @@ transformers Auto classes, so `AutoModel` / `AutoModelForCausalLM.from_pretraine
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .adapter import KNOWN_MASK_TOKEN_IDS, KNOWN_TERMINATOR_IDS, CanvasCache, DiffusionAdapter, unwrap_model
+from .adapter import (
+    KNOWN_MASK_TOKEN_IDS,
+    KNOWN_TERMINATOR_IDS,
+    CachedWindow,
+    CanvasCache,
+    DiffusionAdapter,
+    unwrap_model,
+)
 from .dream import DREAM_LORA_TARGET_MODULES, DreamConfig, DreamModel
 from .llada import (
     LLADA_LORA_EXCLUDE_MODULES,
@@ -57,6 +64,7 @@ __all__ = [
     "DREAM_LORA_TARGET_MODULES",
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",
+    "CachedWindow",
     "LLADA_LORA_EXCLUDE_MODULES",
     "LLADA2_LORA_TARGET_MODULES",
     "LLADA_LORA_TARGET_MODULES",

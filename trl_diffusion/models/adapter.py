@@ -167,6 +167,25 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+@dataclass
+class CachedWindow:
+    """The positions a cached pass feeds ([`DiffusionAdapter.cached_window`]).
+
+    Args:
+        first (`int`):
+            The first position of the rows' windows (the pass also feeds `first - 1` for a model with shifted logits).
+        last (`int`):
+            One past the last position of the rows' windows.
+        fresh (`torch.BoolTensor` of shape `(batch, 1, fed, 1)`, *optional*):
+            When the rows' windows differ, which of the fed positions are each row's own (the others keep the cache's
+            keys and values).
+    """
+
+    first: int
+    last: int
+    fresh: torch.BoolTensor | None = None
+
+
 @dataclass(frozen=True)
 class DiffusionAdapter:
     """How to run one masked diffusion model.
@@ -541,6 +560,7 @@ class DiffusionAdapter:
         end: torch.LongTensor,
         cache_rows: torch.LongTensor | None = None,
         logit_positions: torch.LongTensor | None = None,
+        window: CachedWindow | None = None,
     ) -> torch.Tensor:
         """Runs `model` on positions `start:end` of each row only, every other position being read from `cache`.
 
@@ -567,6 +587,9 @@ class DiffusionAdapter:
             logit_positions (`torch.LongTensor` of shape `(num_positions,)`, *optional*):
                 Return logits for these positions of the canvas only (each in `start.min():end.max()`), computing the
                 output head at no others when the model accepts `logits_to_keep` as a tensor of positions.
+            window ([`CachedWindow`], *optional*):
+                `cached_window(start, end)`, when the caller has it: a decoder that feeds the same window at several
+                steps works it out once (it reads `start` and `end` on the host).
 
         Returns:
             `torch.Tensor` of shape `(batch, end.max() - start.min(), vocab)`: index `j` holds the prediction for the
@@ -575,15 +598,9 @@ class DiffusionAdapter:
         """
         if not cache.is_initialized:
             raise ValueError("The cache is empty: fill it with a full pass, `logits(..., cache=cache)`, first.")
-        first, last = int(start.min()), int(end.max())
+        window = window if window is not None else self.cached_window(start, end)
+        first, last, fresh = window.first, window.last, window.fresh
         fed_first = first - int(self.shift_logits)
-        if fed_first < 0:
-            raise ValueError("A model with shifted logits needs a position before `start` (a non-empty prompt).")
-        fresh = None
-        if (start != first).any() or (end != last).any():
-            positions = torch.arange(fed_first, last, device=input_ids.device)
-            fresh = (positions >= start[:, None] - int(self.shift_logits)) & (positions < end[:, None])
-            fresh = fresh[:, None, :, None]  # broadcast over heads and head dimensions
         kwargs = self._cache_kwargs(cache)
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, fed_first:last]
         # Shifted or not, output j predicts position first + j (shifted: output j of the window fed from first - 1
@@ -596,6 +613,19 @@ class DiffusionAdapter:
         if keep is None:
             return logits[:, : last - first]
         return logits if self.accepts_logits_to_keep else logits[:, keep]
+
+    def cached_window(self, start: torch.LongTensor, end: torch.LongTensor) -> CachedWindow:
+        """The [`CachedWindow`] of a [`cached_logits`] pass over positions `start:end` of each row."""
+        first, last = int(start.min()), int(end.max())
+        fed_first = first - int(self.shift_logits)
+        if fed_first < 0:
+            raise ValueError("A model with shifted logits needs a position before `start` (a non-empty prompt).")
+        fresh = None
+        if (start != first).any() or (end != last).any():
+            positions = torch.arange(fed_first, last, device=start.device)
+            fresh = (positions >= start[:, None] - int(self.shift_logits)) & (positions < end[:, None])
+            fresh = fresh[:, None, :, None]  # broadcast over heads and head dimensions
+        return CachedWindow(first, last, fresh)
 
     def _cache_kwargs(self, cache: CanvasCache) -> dict:
         if self.cache_argument is None:
