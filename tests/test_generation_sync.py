@@ -173,17 +173,21 @@ LAYOUT_CASES = [
 ]
 
 
-def case_config(model, cache, settings):
-    return family_config(model, cache, **LAYOUT_SETTINGS[settings])
+def layout_case(family, cache, settings, families, tokenizer):
+    """The model, its adapter and the settings of a case of `LAYOUT_CASES`."""
+    model = families[family]
+    return (
+        model,
+        DiffusionAdapter.from_model(model, tokenizer),
+        family_config(model, cache, **LAYOUT_SETTINGS[settings]),
+    )
 
 
 @pytest.mark.parametrize("family, cache, settings", LAYOUT_CASES)
 def test_the_layout_of_an_accelerator_decodes_as_the_cpu_one(
     family, cache, settings, families, tiny_tokenizer, prompts, monkeypatch
 ):
-    model = families[family]
-    adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
-    config = case_config(model, cache, settings)
+    model, adapter, config = layout_case(family, cache, settings, families, tiny_tokenizer)
     compact = decode(model, adapter, prompts, config)
     monkeypatch.setattr(forward, "COMPACT_CANDIDATE_DEVICES", ())
     layouts = []
@@ -204,15 +208,13 @@ def test_the_layout_of_an_accelerator_decodes_as_the_cpu_one(
 def test_the_steps_a_fixed_schedule_skips_looking_up_equal_the_looked_up_ones(
     family, cache, settings, families, tiny_tokenizer, prompts, monkeypatch
 ):
-    model = families[family]
-    adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
-    config = case_config(model, cache, settings)
+    model, adapter, config = layout_case(family, cache, settings, families, tiny_tokenizer)
     skipping = decode(model, adapter, prompts, config)
     monkeypatch.setattr(features.Decoding, "fixed_schedule", property(lambda self: False))
     assert_same_decoding(skipping, decode(model, adapter, prompts, config))
 
 
-def test_a_block_with_fewer_masks_than_steps_ends_early(families, tiny_tokenizer, monkeypatch):
+def test_a_block_with_fewer_masks_than_steps_ends_early(families, tiny_tokenizer):
     """A block-causal row whose first block holds 2 completion positions commits them in 2 of its 4 steps and enters
     the next block at the third, with the lookups skipped as without."""
     model = families["sdar"]

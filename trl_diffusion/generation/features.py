@@ -22,8 +22,10 @@ The step's proposals sit at the [`Candidates`] of `state.candidates`: the commit
 accelerator, `valid` marking the committable ones), which needs no host synchronization. A hook reads per-row values
 at `state.candidates.rows` and works on any leading shape. A feature whose `stop` or `commit_count` depends on the
 model's outputs sets `fixed_schedule = False`: the steps of a block are then no longer known in advance, and the loop
-looks on the host at every step which rows enter a block or finish. [`DiffusionGenerationConfig.decoding`] builds the objects from the settings: a new
-decoding feature is one new class here and one line there.
+looks on the host at every step which rows enter a block or finish.
+
+[`DiffusionGenerationConfig.decoding`] builds the objects from the settings: a new decoding feature is one new class
+here and one line there.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class DecodingFeature:
     Each default does nothing; a feature overrides the ones it needs. Per-generation tensors are made in `setup`, so
     that one object serves one call of [`generate`]."""
 
-    # Whether every block still takes the schedule's `steps_per_block` steps with this feature.
+    # Whether the steps of a block still follow from the schedule alone (not from the model's outputs).
     fixed_schedule = True
 
     def setup(self, state: DecodingState) -> None:
@@ -448,5 +450,6 @@ class Decoding:
 
     @property
     def fixed_schedule(self) -> bool:
-        """Whether every block takes exactly the schedule's `steps_per_block` steps (no feature changes them)."""
+        """Whether the steps of every block follow from the schedule alone (no feature makes them depend on the
+        model's outputs)."""
         return all(feature.fixed_schedule for feature in self.features)

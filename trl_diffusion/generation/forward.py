@@ -115,11 +115,7 @@ def _candidate_logits(pieces: list[_Logits], state: DecodingState) -> tuple[Cand
     rows = active_rows[:, None].expand(-1, len(piece.positions))
     positions = piece.positions[None, :].expand(len(active_rows), -1)
     candidates = Candidates(rows, positions, valid=committable[rows, positions])
-    logits = piece.logits.float()
-    if cfg_scale != 0:
-        conditional, unconditional = logits.chunk(2)
-        logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
-    return candidates, logits
+    return candidates, _guidance(piece.logits.float(), cfg_scale)
 
 
 def _guided(logits: torch.Tensor, selected: torch.BoolTensor, cfg_scale: float) -> torch.Tensor:
@@ -127,7 +123,15 @@ def _guided(logits: torch.Tensor, selected: torch.BoolTensor, cfg_scale: float) 
     conditional rows over the unconditional ones and the guided logits are returned."""
     if cfg_scale == 0:
         return logits[selected].float()
-    conditional, unconditional = logits[selected.repeat(2, 1)].float().chunk(2)
+    return _guidance(logits[selected.repeat(2, 1)].float(), cfg_scale)
+
+
+def _guidance(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    """Classifier-free guidance of logits that stack the conditional rows over the unconditional ones (none when
+    `cfg_scale` is 0)."""
+    if cfg_scale == 0:
+        return logits
+    conditional, unconditional = logits.chunk(2)
     return unconditional + (cfg_scale + 1) * (conditional - unconditional)
 
 
