@@ -108,7 +108,7 @@ PUBLIC_CASES = {
     "uniform-accumulated": dict(transition_selection="uniform", gradient_accumulation_steps=2),
     "entropy-kl": dict(beta=0.04, use_bias_correction_kl=True, epsilon_high=0.3),
     # An EOS-leaning model: completions end early, some hold content after their first EOS, some are all EOS.
-    "entropy-eos": dict(eos_weight=0.5),
+    "entropy-eos": dict(eos_weight=0.3),
     # With the sampler's early stop, the EOS fill (stamped with the stop step, not sampled) is no target.
     "uniform-eos-early-stop": dict(eos_weight=0.3, early_stop=True, transition_selection="uniform"),
 }

@@ -18,6 +18,7 @@ import learning  # noqa: E402
 import long_answers  # noqa: E402
 import memory  # noqa: E402
 import sampler_head  # noqa: E402
+import sampling_noise  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
 import training_head  # noqa: E402
@@ -46,7 +47,7 @@ def load_outputs(directory: Path, name: str) -> dict:
 
 @pytest.mark.parametrize(
     "module",
-    [learning, memory, sampler_head, step_time, throughput, training_head, trajectory_memory, check],
+    [learning, memory, sampler_head, sampling_noise, step_time, throughput, training_head, trajectory_memory, check],
     ids=lambda module: module.__name__,
 )
 def test_help(module, capsys):
@@ -147,6 +148,16 @@ def test_step_time_smoke(tmp_path):
     ratio = payload["bgpo_over_vrpo"]
     assert ratio["bgpo_num_mc_samples"] == 16 and ratio["vrpo_num_mc_samples"] == 4
     assert ratio["total"] > 0 and ratio["update"] > 0
+
+
+def test_sampling_noise_smoke(tmp_path):
+    sampling_noise.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "sampling_noise.json").read_text())
+    assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
+    assert [result["generation_cache"] for result in payload["results"]] == ["none", "prefix", "dual"]
+    for result in payload["results"]:
+        assert all(ratio > 0 for ratio in result["ratio_to_greedy"].values())
+        assert len(set(result["forward_passes"].values())) == 1  # a fixed schedule: the same passes for every noise
 
 
 def test_sampler_head_smoke(tmp_path):

@@ -223,10 +223,14 @@ def test_off_policy_bgpo_is_a_lower_bound_of_vrpo_per_completion(make_trainer, d
     torch.testing.assert_close(vrpo_objective.double(), vrpo_expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bgpo_objective.double(), bgpo_expected, rtol=1e-5, atol=1e-6)
 
-    # The policy really moved, and the samples disagree: the bound is not tight, so the test can fail.
+    # The policy really moved, and the samples disagree: for each sign of the advantage (the tangent bound and Jensen's)
+    # some completion's bound is far from tight (the oracles' gap is 10x the objectives' tolerance), so the test can
+    # fail; where a clip binds on both sides the two objectives are equal (gap 0).
     assert d.abs().mean() > 0.02 and d.std(dim=1).min() > 0.005
-    assert (gap > 1e-4).all(), gap
-    assert (bgpo_objective <= vrpo_objective).all()
+    expected_gap = vrpo_expected - bgpo_expected
+    for sign in (advantages > 0, advantages < 0):
+        assert (expected_gap[sign] > 1e-4).any(), expected_gap
+    assert (gap >= 0).all(), gap
 
     # Logged: the gap to the unclipped objective, >= 0 with no clamp hit.
     unclipped_gap = advantages * mean_ratio - bgpo_expected

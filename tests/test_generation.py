@@ -1,17 +1,22 @@
+import bisect
 import dataclasses
+import itertools
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from trl_diffusion import seeding
 from trl_diffusion.generation import (
     DiffusionGenerationConfig,
     completion_lengths,
     cut_at_terminator,
     generate,
+    noise,
     num_transfer_tokens,
 )
-from trl_diffusion.generation import features as generation  # its proposer calls `_gumbel_max`
+from trl_diffusion.generation import features as generation  # its proposer calls `sample_categorical`
 from trl_diffusion.models import DiffusionAdapter
 from trl_diffusion.trainer.lfpo_config import lfpo_inference_config
 
@@ -354,17 +359,17 @@ def test_sampling_is_reproducible_and_leaves_global_rng_alone(sharp_llama, tiny_
     assert torch.equal(torch.get_rng_state(), rng_state)
 
 
-def test_gumbel_noise_is_float64_over_committable_positions_only(
+def test_sampling_draws_one_float64_uniform_per_committable_position(
     sharp_llama, tiny_tokenizer, chat_prompts, monkeypatch
 ):
     calls = []
 
-    def recording_gumbel_max(logits, temperature, uniform):
+    def recording_sample_categorical(logits, temperature, uniform):
         calls.append((tuple(logits.shape), tuple(uniform.shape), uniform.dtype))
-        return gumbel_max(logits, temperature, uniform)
+        return sample_categorical(logits, temperature, uniform)
 
-    gumbel_max = generation._gumbel_max
-    monkeypatch.setattr(generation, "_gumbel_max", recording_gumbel_max)
+    sample_categorical = generation.sample_categorical
+    monkeypatch.setattr(generation, "sample_categorical", recording_sample_categorical)
     adapter = DiffusionAdapter.from_model(sharp_llama, tiny_tokenizer)
     config = DiffusionGenerationConfig(
         max_completion_length=16, block_length=8, diffusion_steps=8, temperature=0.8, seed=0
@@ -373,17 +378,98 @@ def test_gumbel_noise_is_float64_over_committable_positions_only(
     vocab = len(tiny_tokenizer)
     # Three rows, each with 8, 6, 4, 2 masked positions left in its block (2 committed per step).
     assert [logits_shape for logits_shape, _, _ in calls] == [(3 * n, vocab) for n in (8, 6, 4, 2)] * 2
-    assert all(uniform_shape == logits_shape for logits_shape, uniform_shape, _ in calls)
+    assert all(uniform_shape == logits_shape[:1] for logits_shape, uniform_shape, _ in calls)
     assert all(dtype == torch.float64 for _, _, dtype in calls)
 
 
-def test_gumbel_max_is_llada_sampling():
+def reference_inverse_cdf(logits, temperature, uniform):
+    """The token whose float64 CDF interval holds `uniform` (per row, in Python), and the distance of `uniform` to
+    the nearest interval boundary (where float32 probabilities may move the answer)."""
+    tokens, margins = [], []
+    for row, u in zip(logits.double().tolist(), uniform.tolist()):
+        top = max(row)
+        weights = [math.exp((value - top) / temperature) if value != -math.inf else 0.0 for value in row]
+        total = math.fsum(weights)
+        edges = [edge / total for edge in itertools.accumulate(weights)]
+        token = bisect.bisect_right(edges, u)
+        tokens.append(token)
+        margins.append(min(abs(u - edge) for edge in edges[max(token - 1, 0) : token + 1]))
+    return torch.tensor(tokens), torch.tensor(margins)
+
+
+@pytest.mark.parametrize("vocab", [11, 200, 1000])  # one chunk of the two-level inversion, several, a padded last one
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
+def test_sample_categorical_inverts_the_cdf(temperature, vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = 3 * torch.randn(2000, vocab, generator=generator)
+    # Tokens of probability 0 (a mask token, filtered ones), at the edges of the chunks among them.
+    zero = [4] if vocab < noise.CDF_CHUNK else [0, 4, noise.CDF_CHUNK - 1, noise.CDF_CHUNK, vocab - 1]
+    logits[:, zero] = -math.inf
+    uniform = torch.rand(2000, generator=generator, dtype=torch.float64)
+    expected, margin = reference_inverse_cdf(logits, temperature, uniform)
+    sampled = noise.sample_categorical(logits, temperature, uniform)
+    clear = margin > 1e-5  # float32 probabilities move boundaries by about 1e-7
+    assert clear.sum() > 1950
+    assert torch.equal(sampled[clear], expected[clear])
+    assert not torch.isin(sampled, torch.tensor(zero)).any()
+    # Any leading shape.
+    assert torch.equal(
+        noise.sample_categorical(logits.view(2, 1000, vocab), temperature, uniform.view(2, 1000)),
+        sampled.view(2, 1000),
+    )
+
+
+def test_sample_categorical_never_draws_a_token_of_probability_zero_at_the_ends():
+    logits = torch.tensor([[-math.inf, 0.5, 2.0, -math.inf], [1.0, -math.inf, -math.inf, -math.inf]])
+    # Several chunks: the first and the last ones hold no mass, nor does the end of the middle one.
+    wide = torch.full((2, 3 * noise.CDF_CHUNK), -math.inf)
+    wide[:, noise.CDF_CHUNK + 3 : noise.CDF_CHUNK + 9] = 0.0
+    for u in (0.0, 1.0 - 2.0**-53):
+        drawn = noise.sample_categorical(logits, 1.0, torch.full((2,), u, dtype=torch.float64))
+        assert drawn.tolist() == ([1, 0] if u == 0.0 else [2, 0])
+        drawn = noise.sample_categorical(wide, 1.0, torch.full((2,), u, dtype=torch.float64))
+        assert drawn.tolist() == [noise.CDF_CHUNK + (3 if u == 0.0 else 8)] * 2
+
+
+def test_sample_categorical_at_the_top_of_a_chunk_stays_on_its_tokens():
+    """Uniforms just under a chunk's upper CDF edge, in chunks whose second half has probability 0: rounding between a
+    chunk's sum and its cumulative sum must not carry the draw onto those tokens (about 1% would without the guard)."""
+    chunk, rows, chunks = noise.CDF_CHUNK, 4000, 4
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 11, generator=generator)
-    uniform = torch.rand(5, 11, generator=generator, dtype=torch.float64)
-    for temperature in (0.3, 1.0, 2.0):
-        llada = (logits.to(torch.float64).exp() / (-torch.log(uniform)) ** temperature).argmax(dim=-1)
-        assert torch.equal(generation._gumbel_max(logits, temperature, uniform.clone()), llada)
+    logits = 4 * torch.randn(rows, chunks * chunk, generator=generator)
+    logits.view(rows, chunks, chunk)[:, :, chunk // 2 :] = -math.inf
+    chunk_cdf = logits.softmax(dim=-1).double().view(rows, chunks, chunk).sum(dim=-1).cumsum(dim=-1)
+    edge = chunk_cdf.gather(1, torch.randint(0, chunks, (rows, 1), generator=generator))
+    uniform = (torch.nextafter(edge, torch.zeros(())) / chunk_cdf[:, -1:]).squeeze(1)
+    drawn = noise.sample_categorical(logits, 1.0, uniform)
+    assert ((drawn % chunk) < chunk // 2).all()
+
+
+def test_counter_uniforms_are_splitmix64_of_the_row_key_and_counter():
+    keys = torch.tensor([0, 1, 2**62 + 12345, 2**63 - 1, 987654321987])
+    positions = torch.tensor([0, 7, 3, 15, 1])
+    step, length = 5, 16
+    for use, dtype, bits in ((noise.PROPOSAL, torch.float64, 53), (noise.RANDOM_CONFIDENCE, torch.float32, 24)):
+        uniforms = noise.counter_uniform(keys, step, positions, length, use, dtype)
+        assert uniforms.dtype == dtype
+        for key, position, uniform in zip(keys.tolist(), positions.tolist(), uniforms.tolist()):
+            counter = ((position + step * length) * noise.NUM_USES + use) & 0xFFFFFFFFFFFFFFFF
+            stream = (key + counter * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+            assert uniform == (seeding._mix64(stream) >> (64 - bits)) * 2.0**-bits
+
+
+def test_counter_uniforms_look_independent_and_uniform():
+    keys = torch.tensor([3, 4]).repeat_interleave(50_000)
+    positions = torch.arange(50_000).repeat(2)
+    proposal = noise.counter_uniform(keys, 2, positions, 64, noise.PROPOSAL, torch.float64)
+    other_use = noise.counter_uniform(keys, 2, positions, 64, noise.RANDOM_CONFIDENCE, torch.float64)
+    next_step = noise.counter_uniform(keys, 3, positions, 64, noise.PROPOSAL, torch.float64)
+    for uniforms in (proposal, other_use, next_step):
+        counts = torch.histc(uniforms.float(), bins=20, min=0, max=1)
+        chi2 = ((counts - 5000) ** 2 / 5000).sum()
+        assert chi2 < 60  # 19 degrees of freedom: p < 1e-5 above 50
+    for first, second in ((proposal, other_use), (proposal, next_step), (proposal[:50_000], proposal[50_000:])):
+        assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1]) < 0.02
 
 
 def test_recorded_history_matches_sequence_at(sharp_llama, tiny_tokenizer, chat_prompts):

@@ -1,7 +1,7 @@
 """The sampler's steps without host synchronization: on an accelerator, a step at which no row enters a block reads
 nothing back from the device (every operation that would wait for it is counted here, on the CPU, through a
 dispatch mode), and its candidate layout (every position the step read) decodes exactly as the CPU's (the committable
-positions one after the other). The steps a fixed schedule skips looking up equal those looked up."""
+positions one after the other), sampled rows included. The steps a fixed schedule skips looking up equal those looked up."""
 
 import pytest
 import torch
@@ -154,10 +154,11 @@ def assert_same_decoding(first, second):
     assert first.num_forward_passes == second.num_forward_passes
 
 
-# Decoding that draws no noise: on the accelerator's layout the noise is drawn for every position read, so sampled
-# rows differ from the CPU's in their draws (not in distribution).
+# Sampled rows too: a position's uniform is keyed by its row, step and position, not by its place in the layout.
 LAYOUT_SETTINGS = {
     "greedy": {},
+    "sampled": dict(temperature=1.0, top_k=5, record_commit_logprobs=True),
+    "random": dict(temperature=0.7, remasking="random"),
     "features": dict(top_k=5, eos_rejection_min=0.3, running_confidence=True, record_commit_logprobs=True),
     "guided": dict(cfg_scale=1.0, remasking="margin"),
     "entropy": dict(remasking="entropy", defer_terminators=True),

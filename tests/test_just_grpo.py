@@ -61,10 +61,10 @@ def greedy_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def short_eos_dir(tmp_path_factory, tiny_llada, tiny_tokenizer):
-    """The tiny LLaDA (not sharpened) bent a little towards EOS (weight 0.3): answers of one to a few tokens, so that
+    """The tiny LLaDA (not sharpened) bent towards EOS (weight 0.5): answers of one to a few tokens, so that
     the rows of one process and of another end at different widths."""
     directory = tmp_path_factory.mktemp("short-eos-llada")
-    return eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, directory, eos_weight=0.3)
+    return eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, directory, eos_weight=0.5)
 
 
 def make_trainer(model_dir, output_dir, reward_funcs=distinct_chars, **settings):
@@ -397,7 +397,9 @@ def test_public_estimator_equals_the_public_code_objective_and_measures_the_pack
     expected = package_reference_loss(one_at_a_time_logps(package.model, mask_token_id, batch), batch)
     expected.backward()
     torch.testing.assert_close(package_loss, expected.detach(), rtol=1e-6, atol=1e-8)
-    assert_same_gradients(package_grads, gradients(package.model, clear=True), rtol=1e-5, atol=1e-6, label="package")
+    # Float32 rounding of the piecewise sums against the one-at-a-time reference: up to 1.9e-6 of the largest entry
+    # measured under default, avx2 and avx512 kernels.
+    assert_same_gradients(package_grads, gradients(package.model, clear=True), rtol=1e-5, atol=1e-5, label="package")
     package_vector, public_vector = flat(package_grads), flat(grads)
     cosine = torch.nn.functional.cosine_similarity(package_vector, public_vector, dim=0).item()
     norm_ratio = (public_vector.norm() / package_vector.norm()).item()
@@ -433,7 +435,8 @@ def test_public_estimator_off_policy_clips_against_the_stored_old_log_probs(shar
     assert binds > 0
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-7)
-    assert_same_gradients(grads, gradients(trainer.model, clear=True), rtol=1e-5, atol=1e-6, label="public off-policy")
+    # Float32 rounding: up to 3.1e-6 of the largest entry measured under default, avx2 and avx512 kernels.
+    assert_same_gradients(grads, gradients(trainer.model, clear=True), rtol=1e-5, atol=1e-5, label="public off-policy")
 
 
 def test_public_estimator_scale_over_processes_and_accumulation_steps(sharp_eos_dir, tmp_path, monkeypatch):

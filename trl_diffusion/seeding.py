@@ -6,7 +6,7 @@ Keys of a rollout (`DiffusionRLTrainer`):
 
     rollout key = derive_seed(seed, ROLLOUT_TRAIN, global_step, micro-batch)   (ROLLOUT_EVAL, step, eval round)
     row key     = derive_seed(rollout key, global row index across processes)
-    sampling    = derive_seed(row key, ROW_SAMPLING)    the sampler's Gumbel noise
+    sampling    = derive_seed(row key, ROW_SAMPLING)    the generator of the row's sampling-noise key
     mask seed   = derive_seed(row key, ROW_MASKS) >> 2  stored on the batch as `mask_seeds`
 
 Streams of one mask seed: `trl_diffusion.masking` keys them as derive_seed(mask seed, inner iteration, stream, ...),

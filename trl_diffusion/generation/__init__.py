@@ -5,7 +5,7 @@ confidence).
 
 The full sequence is `[prompt (left-padded) | canvas]`, the canvas being `max_completion_length` mask tokens. The
 completion is decoded block by block, left to right. Every step runs the model once, proposes a token `x0` for each
-masked position of the current block (argmax, or Gumbel-max at `temperature`), scores each proposal with a
+masked position of the current block (argmax, or a sample at `temperature`), scores each proposal with a
 confidence, and commits the most confident ones: as many as the schedule says, or, with `threshold`, every proposal
 at least that confident. With a cache (`generation_cache`), only the first step of a block runs the full sequence;
 the block's other steps recompute the block (and, for the prefix cache, everything after it) against keys and values

@@ -49,8 +49,10 @@ class DiffusionGenerationConfig:
             token), `"random"` (uniform scores), `"entropy"` (negative entropy of the prediction; higher is more
             confident) or `"margin"` (top-1 minus top-2 probability).
         temperature (`float`, defaults to `0.0`):
-            Sampling temperature of the proposals; `0` is greedy argmax. Positive temperatures sample by Gumbel-max
-            in float64 (LLaDA's recipe; low-precision Gumbel noise degrades generation).
+            Sampling temperature of the proposals; `0` is greedy argmax. Positive temperatures sample
+            `softmax(logits / temperature)` exactly, inverting its CDF (accumulated in float64) at one counter-based
+            uniform per position (`trl_diffusion.generation.noise`): the distribution of LLaDA's float64 Gumbel-max,
+            other draws.
         top_k (`int`, defaults to `0`):
             Only the `top_k` most likely tokens of a position can be proposed (ties with the k-th kept). `0` keeps
             every token (TRL's convention).
@@ -152,7 +154,7 @@ class DiffusionGenerationConfig:
         },
     )
     temperature: float = field(
-        default=0.0, metadata={"help": "Sampling temperature (Gumbel-max in float64); 0 is greedy argmax."}
+        default=0.0, metadata={"help": "Sampling temperature (exact, by the float64 CDF); 0 is greedy argmax."}
     )
     top_k: int = field(
         default=0, metadata={"help": "Keep only the top_k most likely tokens per position; 0 keeps all."}
@@ -415,7 +417,7 @@ class DiffusionGenerationConfig:
         `trl_diffusion.generation.features`): the proposer, the confidence and the features, in the order their hooks
         run. Returns new objects at every call (they hold the per-generation state)."""
         if self.temperature > 0:
-            proposer = features.GumbelMaxProposer(self.temperature)
+            proposer = features.SamplingProposer(self.temperature)
         else:
             proposer = features.ArgmaxProposer()
         feature_list = []

@@ -6,7 +6,7 @@ A step of [`generate`] runs the model, then:
 1. `read_logits`: every [`DecodingFeature`] may read the step's raw logits (before they are freed);
 2. every feature's `process_logits` may change the candidate positions' logits (top-k, top-p), which the
    proposer, the confidence and the recorded log-probs all read; the [`Proposer`] proposes a token for each
-   candidate position (argmax, or Gumbel-max at a temperature);
+   candidate position (argmax, or a sample at a temperature);
 3. the [`Confidence`] scores each proposal, and every feature's `process_confidence` may change the scores;
 4. the schedule says how many proposals each row commits, and every feature's `commit_count` may change that;
 5. every feature's `rank` may add committed positions to the ranking (with their confidences and counts);
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .forward import _select_logits
-from .noise import _gumbel_max, _uniform_noise
+from .noise import PROPOSAL, RANDOM_CONFIDENCE, counter_uniform, sample_categorical
 
 if TYPE_CHECKING:
     from .config import DiffusionGenerationConfig
@@ -146,13 +146,13 @@ class ArgmaxProposer(Proposer):
 
 
 @dataclass
-class GumbelMaxProposer(Proposer):
-    """Samples from `softmax(logits / temperature)` by Gumbel-max in float64 (LLaDA's recipe)."""
+class SamplingProposer(Proposer):
+    """Samples from `softmax(logits / temperature)` exactly, by inverting its CDF at the position's uniform."""
 
     temperature: float
 
     def propose(self, state, logits):
-        return _gumbel_max(logits, self.temperature, _candidate_noise(state, logits.shape[-1:], torch.float64))
+        return sample_categorical(logits, self.temperature, _candidate_uniform(state, PROPOSAL, torch.float64))
 
 
 # How confident each proposal is (`remasking`), from the un-noised float32 logits.
@@ -174,10 +174,10 @@ class ProbabilityConfidence(Confidence):
 
 
 class RandomConfidence(Confidence):
-    """`remasking="random"`: uniform scores, drawn after the proposals' noise."""
+    """`remasking="random"`: uniform scores, independent of the proposals' draws."""
 
     def score(self, state, logits, tokens):
-        return _candidate_noise(state, (), torch.float32)
+        return _candidate_uniform(state, RANDOM_CONFIDENCE, torch.float32)
 
 
 class EntropyConfidence(Confidence):
@@ -195,22 +195,11 @@ class MarginConfidence(Confidence):
         return top2[..., 0] - top2[..., 1]
 
 
-def _candidate_noise(state: DecodingState, trailing_shape: tuple[int, ...], dtype) -> torch.Tensor:
-    """Uniform noise of shape `(*state.candidates.shape, *trailing_shape)`, from the one generator or each row's."""
-    candidates, generator = state.candidates, state.generator
-    if candidates.valid is None:
-        row_counts = torch.bincount(candidates.rows, minlength=len(state.completion))
-        return _uniform_noise(row_counts, trailing_shape, generator, state.device, dtype)
-    # Every position the step read, for each active row: as many draws for each, known on the host.
-    shape = (candidates.shape[1], *trailing_shape)
-    if isinstance(generator, torch.Generator):
-        return torch.rand((candidates.shape[0], *shape), generator=generator, device=state.device, dtype=dtype)
-    return torch.stack(
-        [
-            torch.rand(shape, generator=generator[row], device=state.device, dtype=dtype)
-            for row in state.active_row_list
-        ]
-    )
+def _candidate_uniform(state: DecodingState, use: int, dtype) -> torch.Tensor:
+    """A uniform for each candidate (of the shape of `state.candidates`), the same on either layout."""
+    candidates = state.candidates
+    keys = state.noise_keys[candidates.rows]
+    return counter_uniform(keys, state.step, candidates.positions, state.positions.shape[0], use, dtype)
 
 
 CONFIDENCES = {

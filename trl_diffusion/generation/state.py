@@ -6,7 +6,7 @@ import torch
 
 from ..models.adapter import DiffusionAdapter
 from .config import DiffusionGenerationConfig
-from .noise import GeneratorLike
+from .noise import GeneratorLike, row_keys
 from .schedule import num_transfer_tokens
 
 
@@ -19,7 +19,8 @@ class DecodingState:
     `step`, the step counter. Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
     `committable` (`(batch, L)`), `active_rows` (the rows still decoding), `candidates` (the [`Candidates`] of the
     step's proposals). `active_row_list` (the active rows on the host, looked up with them). Fixed: `config`, `adapter`,
-    `generator`, `terminator_ids` (a tensor), `positions` (`0 .. L - 1`) and `fixed_schedule`.
+    `generator`, `noise_keys` (each row's key of its sampling noise), `terminator_ids` (a tensor), `positions`
+    (`0 .. L - 1`) and `fixed_schedule`.
 
     With `fixed_schedule` (no decoding feature changes the steps of a block), a block ends at the last step of the
     schedule that commits a token (its counts sum to its masks), which is known when the row enters it: the steps
@@ -42,6 +43,8 @@ class DecodingState:
         length, self.mask_token_id = config.max_completion_length, adapter.mask_token_id
         self.sequence = torch.cat([input_ids, input_ids.new_full((batch_size, length), self.mask_token_id)], dim=1)
         self.completion = self.sequence[:, self.prompt_length :]
+        # Each row's key of its sampling noise (`noise.counter_uniform`), taken from its generator once.
+        self.noise_keys = row_keys(generator, batch_size, device)
         self.terminator_ids = torch.tensor(adapter.terminator_ids, dtype=torch.long, device=device)
         self.positions = torch.arange(length, device=device)
         # The block of every completion position, and the sequence position where each row's grid of blocks begins: a
