@@ -25,7 +25,7 @@ import trajectory_memory  # noqa: E402
 
 sys.path.insert(0, str(BENCHMARKS / "gpu"))
 import check  # noqa: E402
-from _common import job_runner  # noqa: E402
+from _common import job_runner, shared_job_runner  # noqa: E402
 
 from helpers import exit_process, process_id, raise_value_error  # noqa: E402
 
@@ -71,6 +71,19 @@ def test_job_runner_reuses_one_process_or_starts_one_per_job():
         assert runner.run(process_id, None) not in (first, os.getpid())
     with job_runner("cpu") as runner:
         assert len({runner.run(process_id, None) for _ in range(2)} | {os.getpid()}) == 3
+
+
+def test_shared_job_runner_serves_every_job_runner_inside_it():
+    """The GPU check runs the memory and step-time jobs in one process: inside `shared_job_runner`, `job_runner`
+    (its default reuse) hands out the shared runner and leaves it open; outside, a runner of its own again."""
+    with shared_job_runner("cpu") as shared:
+        with job_runner("cpu") as first, job_runner("cpu") as second:
+            assert first is second is shared
+        assert shared.run(process_id, None) != os.getpid()  # still open after the inner runners closed
+        with job_runner("cpu", reuse=True) as own:
+            assert own is not shared
+    with job_runner("cpu") as runner:
+        assert runner is not shared
 
 
 # Slow (18 s): the suite's 10-minute budget; `make test-slow` runs it.
@@ -310,10 +323,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert check.main(["--dry-run", "--output-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["dry_run"] is True
-    assert [stage["stage"] for stage in summary["stages"]] == ["trainers", "memory", "throughput", "step_time"]
+    assert [stage["stage"] for stage in summary["stages"]] == ["trainers", "throughput", "memory", "step_time"]
     assert all(stage["status"] == "ok" for stage in summary["stages"])
-    for stage in summary["stages"][1:]:
-        assert load_outputs(tmp_path, f"gpu_{stage['stage']}")["preset"] == "smoke"
+    outputs = {stage["stage"]: load_outputs(tmp_path, f"gpu_{stage['stage']}") for stage in summary["stages"][1:]}
+    assert all(payload["preset"] == "smoke" for payload in outputs.values())
     # The trainer smoke: each command run (BGPO and SFT in a dry run) with LoRA and with a 4-bit base, two finite
     # losses each.
     runs = json.loads((tmp_path / "gpu_trainers.json").read_text())["runs"]
@@ -324,6 +337,39 @@ def test_gpu_check_dry_run(tmp_path):
         ("sft", "qlora_4bit"),
     ]
     assert all(run["status"] == "ok" and len(run["losses"]) == 2 for run in runs)
+
+    # The estimate of the one-GPU check (benchmarks/gpu/budget.py): reported per stage, at most 5 minutes in all.
+    estimate = summary["estimate"]
+    assert list(estimate["stages"]) == ["startup", "trainers", "throughput", "memory", "step_time"]
+    assert estimate["total_seconds"] == pytest.approx(sum(s["seconds"] for s in estimate["stages"].values()), abs=0.5)
+    assert 0 < estimate["total_seconds"] <= 300 and estimate["within_budget"] is True
+    # Its counts come from the stages' own job lists: the same counting, applied to the arguments of this dry run,
+    # gives the jobs the stages ran here (from what they wrote).
+    counts = summary["dry_run_counts"]
+    assert counts["trainers"]["jobs"] == len(runs)
+    throughput_runs = [entry for entry in outputs["throughput"]["results"] if "runs" in entry]
+    lengths = {entry["max_completion_length"] for entry in outputs["throughput"]["results"]}
+    assert counts["throughput"]["jobs"] == len(lengths) + sum(len(entry["runs"]) for entry in throughput_runs)
+    timed_forwards = sum(entry["forward_passes"] * len(entry["runs"]) for entry in throughput_runs)
+    assert counts["throughput"]["forward_passes"] >= timed_forwards + sum(length // 2 for length in lengths)
+    memory_skipped = [entry for entry in outputs["memory"]["skipped"] if "out of memory" in entry["reason"]]
+    assert counts["memory"]["jobs"] == 1 + len(outputs["memory"]["points"]) + len(memory_skipped)
+    step_results = outputs["step_time"]["results"]
+    assert counts["step_time"]["jobs"] == len(step_results) * outputs["step_time"]["rounds"]
+    assert counts["step_time"]["optimizer_steps"] == sum(
+        result["measured_steps"] + len(result["rounds"])
+        for result in step_results  # + a warm-up step per run
+    )
+    # On the GPU: every command with LoRA, BGPO and SFT on a 4-bit base too; the memory and step-time jobs in one
+    # spawned process (counted once).
+    gpu = estimate["stages"]
+    gpu_args = dict(check.gpu_stage_arguments())
+    smoke_runs = check.trainer_smoke.planned_runs(check.trainer_smoke.parse_args(gpu_args["trainers"]))
+    assert gpu["trainers"]["jobs"] == len(smoke_runs) == 15
+    assert [run for run in smoke_runs if run[1] == "qlora_4bit"] == [("bgpo", "qlora_4bit"), ("sft", "qlora_4bit")]
+    sampler_runs = check.throughput.planned_runs(check.throughput.parse_args(gpu_args["throughput"]))
+    assert gpu["throughput"]["jobs"] == len(sampler_runs)
+    assert (gpu["memory"]["processes"], gpu["step_time"]["processes"]) == (1, 0)
 
 
 # Slow (15 s): the suite's 10-minute budget; `make test-slow` runs it.
