@@ -17,6 +17,7 @@ import demo_robustness  # noqa: E402
 import learning  # noqa: E402
 import long_answers  # noqa: E402
 import memory  # noqa: E402
+import peak_fraction  # noqa: E402
 import sampler_head  # noqa: E402
 import step_time  # noqa: E402
 import throughput  # noqa: E402
@@ -46,7 +47,7 @@ def load_outputs(directory: Path, name: str) -> dict:
 
 @pytest.mark.parametrize(
     "module",
-    [learning, memory, sampler_head, step_time, throughput, training_head, trajectory_memory, check],
+    [learning, memory, peak_fraction, sampler_head, step_time, throughput, training_head, trajectory_memory, check],
     ids=lambda module: module.__name__,
 )
 def test_help(module, capsys):
@@ -177,6 +178,27 @@ def test_training_head_smoke(tmp_path):
     assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
     (result,) = payload["results"]
     assert result["same_logprobs_and_gradients"] and result["speedup"] > 0 and 0 < result["head_flop_share"] < 1
+
+
+def test_peak_fraction_smoke(tmp_path):
+    """Eager float32 and bf16 (CPU autocast) of the sampler and a training pass against the measured matmul peak of
+    each dtype (the smoke does not compile), with the agreement columns."""
+    peak_fraction.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "kernels.json").read_text())
+    assert (tmp_path / "kernels.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
+    assert set(payload["matmul_peak_gflops"]) == {"float32", "bfloat16"}
+    assert all(value > 0 for value in payload["matmul_peak_gflops"].values())
+    results = {(r["kind"], r["mode"], r["dtype"]): r for r in payload["results"]}
+    assert set(results) == {
+        (kind, "eager", dtype) for kind in ("sampler", "training") for dtype in ("float32", "bfloat16")
+    }
+    for result in results.values():
+        assert result["model_gflop"] > 0 and 0 < result["fraction_of_peak"] < 1
+    # Eager float32 is the reference: it agrees with itself exactly.
+    assert results[("sampler", "eager", "float32")]["all_tokens_equal"] is True
+    assert results[("training", "eager", "float32")]["grad_rel_l2"] == 0.0
+    assert results[("training", "eager", "bfloat16")]["grad_rel_l2"] < 0.1
 
 
 def test_step_time_samples_per_backward_smoke(tmp_path):
