@@ -23,7 +23,7 @@ Agreement with eager float32: the sampler's greedy tokens (fraction equal, and w
 Seconds are process CPU time with one torch thread (`_common.clock`), the median of `repeats` rounds that
 interleave the variants.
 
-    python benchmarks/peak_fraction.py         # CPU (~3 min here, most of it compiling)
+    python benchmarks/peak_fraction.py         # CPU (~4 min here)
     python benchmarks/peak_fraction.py --smoke   # seconds: CI's check that the script runs (no compile)
 
 Writes `<output-dir>/<name>.json` and `<name>.png` (default `benchmarks/results/kernels.*`).
