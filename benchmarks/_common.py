@@ -311,6 +311,25 @@ class _ReusedProcess:
             self.process = None
 
 
+# device -> the runner that `job_runner(device)` hands out while `shared_job_runner(device)` is open.
+_SHARED_RUNNERS = {}
+
+
+@contextlib.contextmanager
+def shared_job_runner(device: str):
+    """While open, `job_runner(device)` (its default `reuse`) yields this one runner and leaves it open: the jobs of
+    several benchmarks run in one process (the GPU check's `memory` and `step_time` stages: one interpreter start
+    and CUDA initialization instead of two). Closed on exit."""
+    reuse = device == "cuda"
+    runner = _ReusedProcess(fresh_process_context(device)) if reuse else _FreshProcesses(fresh_process_context(device))
+    _SHARED_RUNNERS[device] = runner
+    try:
+        yield runner
+    finally:
+        del _SHARED_RUNNERS[device]
+        runner.close()
+
+
 @contextlib.contextmanager
 def job_runner(device: str, reuse: bool | None = None):
     """What runs a benchmark's measurement jobs: `runner.run(function, job)` returns `function(job)` from another
@@ -329,6 +348,9 @@ def job_runner(device: str, reuse: bool | None = None):
         reuse (`bool`, *optional*):
             One process for every job (`True`) or a fresh one per job (`False`); default: `True` with CUDA.
     """
+    if reuse is None and device in _SHARED_RUNNERS:  # inside `shared_job_runner(device)`: its runner, left open
+        yield _SHARED_RUNNERS[device]
+        return
     reuse = device == "cuda" if reuse is None else reuse
     context = fresh_process_context(device)
     runner = _ReusedProcess(context) if reuse else _FreshProcesses(context)

@@ -403,11 +403,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def sweep(args: argparse.Namespace, preset: Preset) -> tuple[tuple[int, ...], dict[str, int]]:
+    """The values of n and the caps per trainer of a run: `--points` (else the preset's), the preset's caps updated
+    by `--max-n`."""
+    points = tuple(sorted(args.points or preset.points))
+    max_points = {**preset.max_points, **{k: int(v) for k, v in (item.split("=") for item in args.max_n)}}
+    return points, max_points
+
+
+def planned_points(trainers, points, max_points: dict[str, int]) -> tuple[list[tuple[str, int]], list[dict]]:
+    """`(trainer, n)` of every point to measure, in order, and the points skipped above a trainer's cap. A point
+    that runs out of memory skips the trainer's larger ones (decided while running). The GPU check's time estimate
+    counts these (and one rollout job before them)."""
+    planned, skipped = [], []
+    for name in trainers:
+        for n in points:
+            if n > max_points.get(name, math.inf):
+                skipped.append({"trainer": name, "n": n, "reason": f"above the preset's cap {max_points[name]}"})
+            else:
+                planned.append((name, n))
+    return planned, skipped
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device, _, preset = select_preset(args, PRESETS)
-    points = tuple(sorted(args.points or preset.points))
-    max_points = {**preset.max_points, **{k: int(v) for k, v in (item.split("=") for item in args.max_n)}}
+    points, max_points = sweep(args, preset)
     threads = args.threads if device == "cpu" else None
     fix_mmap_threshold = device == "cpu" and args.pin_mmap_threshold
     checkpointing = args.gradient_checkpointing == "true"
@@ -433,26 +454,23 @@ def main(argv=None) -> dict:
             f"{shape['completion_length']} tokens; {STEPS} optimizer steps per point, gradient checkpointing "
             f"{'on' if checkpointing else 'off'}, {malloc if device == 'cpu' else 'CUDA caching allocator'}"
         )
-        results, skipped = [], []
-        for name in args.trainers:
-            for n in points:
-                if n > max_points.get(name, math.inf):
-                    skipped.append({"trainer": name, "n": n, "reason": f"above the preset's cap {max_points[name]}"})
-                    continue
-                if any(entry["trainer"] == name and entry["reason"] == "out of memory" for entry in skipped):
-                    skipped.append({"trainer": name, "n": n, "reason": "out of memory at a smaller n"})
-                    continue
-                result = runner.run(measure_point, {**job, "trainer": name, "n": n})
-                if result.get("out_of_memory"):
-                    print(f"{LABELS[name]:>5} n={n:<3} out of memory")
-                    skipped.append({"trainer": name, "n": n, "reason": "out of memory"})
-                    continue
-                print(
-                    f"{LABELS[name]:>5} n={n:<3} saved {mib(result['saved_peak_bytes']):9.1f} MiB, process "
-                    f"{mib(result['process_peak_bytes']):9.1f} MiB (optimizer state "
-                    f"{mib(result['optimizer_state_bytes']):.1f}), step {result['step_seconds']:.2f} s"
-                )
-                results.append(result)
+        planned, skipped = planned_points(args.trainers, points, max_points)
+        results = []
+        for name, n in planned:
+            if any(entry["trainer"] == name and entry["reason"] == "out of memory" for entry in skipped):
+                skipped.append({"trainer": name, "n": n, "reason": "out of memory at a smaller n"})
+                continue
+            result = runner.run(measure_point, {**job, "trainer": name, "n": n})
+            if result.get("out_of_memory"):
+                print(f"{LABELS[name]:>5} n={n:<3} out of memory")
+                skipped.append({"trainer": name, "n": n, "reason": "out of memory"})
+                continue
+            print(
+                f"{LABELS[name]:>5} n={n:<3} saved {mib(result['saved_peak_bytes']):9.1f} MiB, process "
+                f"{mib(result['process_peak_bytes']):9.1f} MiB (optimizer state "
+                f"{mib(result['optimizer_state_bytes']):.1f}), step {result['step_seconds']:.2f} s"
+            )
+            results.append(result)
         model = model_description(model_dir)
 
     summary = summarize(results)

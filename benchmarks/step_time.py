@@ -144,14 +144,20 @@ class PhaseTimer(TrainerCallback):
         )
 
 
+def measured_steps(name: str, steps: int, overrides: dict) -> tuple[int, int]:
+    """`(optimizer steps, rollouts)` that a run of trainer `name` times for `steps` requested (whole generation
+    cycles of its `num_iterations`), without its warm-up step (one more step and one more rollout)."""
+    num_iterations = overrides.get("num_iterations", TRAINERS[name][0].__dataclass_fields__["num_iterations"].default)
+    cycles = math.ceil(steps / num_iterations)
+    return cycles * num_iterations, cycles
+
+
 def time_trainer(job: dict) -> dict:
     """Worker: trains `job["trainer"]` for one warm-up step and whole generation cycles; per-step phase times."""
     set_threads(job["threads"])
     name, device = job["trainer"], job["device"]
     rollout = RolloutSize(**job["rollout"])
-    config_class = TRAINERS[name][0]
-    num_iterations = config_class.__dataclass_fields__["num_iterations"].default
-    steps = math.ceil(job["steps"] / num_iterations) * num_iterations
+    steps, _ = measured_steps(name, job["steps"], job["overrides"])
     output_dir = Path(job["output_dir"]) / job["label"].replace(" ", "_")
     trainer = make_trainer(
         name, Path(job["model_dir"]), rollout, device, output_dir, max_steps=1 + steps, **job["overrides"]

@@ -297,6 +297,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def setting_keys(preset: Preset) -> list[tuple[str, bool, str]]:
+    """`(decoding, early_stop, cache)` of every setting measured at each length, in order."""
+    return [
+        (decoding, early_stop, cache)
+        for decoding in DECODINGS
+        for early_stop in preset.early_stops
+        for cache in CACHE_MODES
+    ]
+
+
+def planned_runs(args: argparse.Namespace) -> list[tuple[int, str, bool, str, bool]]:
+    """`(L, decoding, early_stop, cache, timed)` of every `generate` call of a run, in order: per length one untimed
+    warm-up of the plain sampler, then `--repeats` rounds over the settings the sampler accepts. The GPU check's time
+    estimate counts these."""
+    preset = PRESETS["smoke" if args.smoke else ("gpu" if args.device == "cuda" else "cpu")]
+    runs = []
+    for length in args.canvas_lengths or preset.canvas_lengths:
+        runs.append((length, *BASELINE, False))
+        accepted = []
+        for setting in setting_keys(preset):
+            try:
+                decoding_config(length, preset.block_length, *setting)
+            except ValueError:
+                continue
+            accepted.append((length, *setting, True))
+        runs += accepted * (args.repeats or preset.repeats)
+    return runs
+
+
 def key(entry: dict) -> tuple:
     return entry["decoding"], entry["early_stop"], entry["cache"]
 
@@ -321,22 +350,20 @@ def main(argv=None) -> dict:
         warm_up = decoding_config(max_completion_length, preset.block_length, *BASELINE)
         timed_generate(model, input_ids, attention_mask, warm_up, adapter, device)
         settings = []  # (result entry, config, timed seconds)
-        for decoding in DECODINGS:
-            for early_stop in preset.early_stops:
-                for cache in CACHE_MODES:
-                    entry = {
-                        "max_completion_length": max_completion_length,
-                        "decoding": decoding,
-                        "early_stop": early_stop,
-                        "cache": cache,
-                    }
-                    results.append(entry)
-                    try:
-                        config = decoding_config(max_completion_length, preset.block_length, *key(entry))
-                    except ValueError as error:  # a combination the sampler refuses
-                        entry["skipped"] = str(error)
-                        continue
-                    settings.append((entry, config, []))
+        for decoding, early_stop, cache in setting_keys(preset):
+            entry = {
+                "max_completion_length": max_completion_length,
+                "decoding": decoding,
+                "early_stop": early_stop,
+                "cache": cache,
+            }
+            results.append(entry)
+            try:
+                config = decoding_config(max_completion_length, preset.block_length, *key(entry))
+            except ValueError as error:  # a combination the sampler refuses
+                entry["skipped"] = str(error)
+                continue
+            settings.append((entry, config, []))
         completions = {}  # greedy: every round decodes the same completion, kept from the first
         # Rounds over all settings rather than repeats of one: a change of load hits every setting alike.
         for _ in range(repeats):

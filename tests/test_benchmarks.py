@@ -17,6 +17,7 @@ import demo_robustness  # noqa: E402
 import learning  # noqa: E402
 import long_answers  # noqa: E402
 import memory  # noqa: E402
+import peak_fraction  # noqa: E402
 import sampler_head  # noqa: E402
 import sampling_noise  # noqa: E402
 import step_time  # noqa: E402
@@ -26,7 +27,7 @@ import trajectory_memory  # noqa: E402
 
 sys.path.insert(0, str(BENCHMARKS / "gpu"))
 import check  # noqa: E402
-from _common import job_runner  # noqa: E402
+from _common import job_runner, shared_job_runner  # noqa: E402
 
 from helpers import exit_process, process_id, raise_value_error  # noqa: E402
 
@@ -47,7 +48,18 @@ def load_outputs(directory: Path, name: str) -> dict:
 
 @pytest.mark.parametrize(
     "module",
-    [learning, memory, sampler_head, sampling_noise, step_time, throughput, training_head, trajectory_memory, check],
+    [
+        learning,
+        memory,
+        peak_fraction,
+        sampler_head,
+        sampling_noise,
+        step_time,
+        throughput,
+        training_head,
+        trajectory_memory,
+        check,
+    ],
     ids=lambda module: module.__name__,
 )
 def test_help(module, capsys):
@@ -72,6 +84,19 @@ def test_job_runner_reuses_one_process_or_starts_one_per_job():
         assert runner.run(process_id, None) not in (first, os.getpid())
     with job_runner("cpu") as runner:
         assert len({runner.run(process_id, None) for _ in range(2)} | {os.getpid()}) == 3
+
+
+def test_shared_job_runner_serves_every_job_runner_inside_it():
+    """The GPU check runs the memory and step-time jobs in one process: inside `shared_job_runner`, `job_runner`
+    (its default reuse) hands out the shared runner and leaves it open; outside, a runner of its own again."""
+    with shared_job_runner("cpu") as shared:
+        with job_runner("cpu") as first, job_runner("cpu") as second:
+            assert first is second is shared
+        assert shared.run(process_id, None) != os.getpid()  # still open after the inner runners closed
+        with job_runner("cpu", reuse=True) as own:
+            assert own is not shared
+    with job_runner("cpu") as runner:
+        assert runner is not shared
 
 
 # Slow (18 s): the suite's 10-minute budget; `make test-slow` runs it.
@@ -175,6 +200,27 @@ def test_training_head_smoke(tmp_path):
     assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
     (result,) = payload["results"]
     assert result["same_logprobs_and_gradients"] and result["speedup"] > 0 and 0 < result["head_flop_share"] < 1
+
+
+def test_peak_fraction_smoke(tmp_path):
+    """Eager float32 and bf16 (CPU autocast) of the sampler and a training pass against the measured matmul peak of
+    each dtype (the smoke does not compile), with the agreement columns."""
+    peak_fraction.main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "kernels.json").read_text())
+    assert (tmp_path / "kernels.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert MACHINE_KEYS <= payload["machine"].keys() and payload["table"].startswith("|")
+    assert set(payload["matmul_peak_gflops"]) == {"float32", "bfloat16"}
+    assert all(value > 0 for value in payload["matmul_peak_gflops"].values())
+    results = {(r["kind"], r["mode"], r["dtype"]): r for r in payload["results"]}
+    assert set(results) == {
+        (kind, "eager", dtype) for kind in ("sampler", "training") for dtype in ("float32", "bfloat16")
+    }
+    for result in results.values():
+        assert result["model_gflop"] > 0 and 0 < result["fraction_of_peak"] < 1
+    # Eager float32 is the reference: it agrees with itself exactly.
+    assert results[("sampler", "eager", "float32")]["all_tokens_equal"] is True
+    assert results[("training", "eager", "float32")]["grad_rel_l2"] == 0.0
+    assert results[("training", "eager", "bfloat16")]["grad_rel_l2"] < 0.1
 
 
 def test_step_time_samples_per_backward_smoke(tmp_path):
@@ -321,10 +367,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert check.main(["--dry-run", "--output-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["dry_run"] is True
-    assert [stage["stage"] for stage in summary["stages"]] == ["trainers", "memory", "throughput", "step_time"]
+    assert [stage["stage"] for stage in summary["stages"]] == ["trainers", "throughput", "memory", "step_time"]
     assert all(stage["status"] == "ok" for stage in summary["stages"])
-    for stage in summary["stages"][1:]:
-        assert load_outputs(tmp_path, f"gpu_{stage['stage']}")["preset"] == "smoke"
+    outputs = {stage["stage"]: load_outputs(tmp_path, f"gpu_{stage['stage']}") for stage in summary["stages"][1:]}
+    assert all(payload["preset"] == "smoke" for payload in outputs.values())
     # The trainer smoke: each command run (BGPO and SFT in a dry run) with LoRA and with a 4-bit base, two finite
     # losses each.
     runs = json.loads((tmp_path / "gpu_trainers.json").read_text())["runs"]
@@ -335,6 +381,39 @@ def test_gpu_check_dry_run(tmp_path):
         ("sft", "qlora_4bit"),
     ]
     assert all(run["status"] == "ok" and len(run["losses"]) == 2 for run in runs)
+
+    # The estimate of the one-GPU check (benchmarks/gpu/budget.py): reported per stage, at most 5 minutes in all.
+    estimate = summary["estimate"]
+    assert list(estimate["stages"]) == ["startup", "trainers", "throughput", "memory", "step_time"]
+    assert estimate["total_seconds"] == pytest.approx(sum(s["seconds"] for s in estimate["stages"].values()), abs=0.5)
+    assert 0 < estimate["total_seconds"] <= 300 and estimate["within_budget"] is True
+    # Its counts come from the stages' own job lists: the same counting, applied to the arguments of this dry run,
+    # gives the jobs the stages ran here (from what they wrote).
+    counts = summary["dry_run_counts"]
+    assert counts["trainers"]["jobs"] == len(runs)
+    throughput_runs = [entry for entry in outputs["throughput"]["results"] if "runs" in entry]
+    lengths = {entry["max_completion_length"] for entry in outputs["throughput"]["results"]}
+    assert counts["throughput"]["jobs"] == len(lengths) + sum(len(entry["runs"]) for entry in throughput_runs)
+    timed_forwards = sum(entry["forward_passes"] * len(entry["runs"]) for entry in throughput_runs)
+    assert counts["throughput"]["forward_passes"] >= timed_forwards + sum(length // 2 for length in lengths)
+    memory_skipped = [entry for entry in outputs["memory"]["skipped"] if "out of memory" in entry["reason"]]
+    assert counts["memory"]["jobs"] == 1 + len(outputs["memory"]["points"]) + len(memory_skipped)
+    step_results = outputs["step_time"]["results"]
+    assert counts["step_time"]["jobs"] == len(step_results) * outputs["step_time"]["rounds"]
+    assert counts["step_time"]["optimizer_steps"] == sum(
+        result["measured_steps"] + len(result["rounds"])
+        for result in step_results  # + a warm-up step per run
+    )
+    # On the GPU: every command with LoRA, BGPO and SFT on a 4-bit base too; the memory and step-time jobs in one
+    # spawned process (counted once).
+    gpu = estimate["stages"]
+    gpu_args = dict(check.gpu_stage_arguments())
+    smoke_runs = check.trainer_smoke.planned_runs(check.trainer_smoke.parse_args(gpu_args["trainers"]))
+    assert gpu["trainers"]["jobs"] == len(smoke_runs) == 15
+    assert [run for run in smoke_runs if run[1] == "qlora_4bit"] == [("bgpo", "qlora_4bit"), ("sft", "qlora_4bit")]
+    sampler_runs = check.throughput.planned_runs(check.throughput.parse_args(gpu_args["throughput"]))
+    assert gpu["throughput"]["jobs"] == len(sampler_runs)
+    assert (gpu["memory"]["processes"], gpu["step_time"]["processes"]) == (1, 0)
 
 
 # Slow (15 s): the suite's 10-minute budget; `make test-slow` runs it.
