@@ -484,7 +484,18 @@ class DiffusionModelCardMixin:
     saved directory by `save_model`, after the weights: it replaces the metadata PEFT writes with an adapter (PEFT
     would set a local base's path as `base_model` and drop the card's tags) and carries PEFT's own (`library_name:
     peft`, `pipeline_tag`, the method's tag, its version), since `push_to_hub` rewrites it with `create_model_card`
-    anyway."""
+    anyway.
+
+    The card's tags are the trainer's `_tag_names`: the package's, then the method's own, which a trainer class
+    declares as `_method_tags` (a subclass that declares none keeps its parent's)."""
+
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
+    _method_tags: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_method_tags" in vars(cls):
+            cls._tag_names = [*DiffusionModelCardMixin._tag_names, *cls._method_tags]
 
     def create_model_card(
         self,

@@ -13,6 +13,7 @@ from ..trajectory import (
 from ..trajectory import trajectory_plan as plan_of
 from .agrpo_config import AGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+from .utils import paper
 
 # TRL's epsilon under the standard deviation that scales the advantages.
 STD_EPSILON = 1e-4
@@ -91,20 +92,16 @@ class AGRPOTrainer(TrajectoryRLTrainer):
     ```python
     from trl_diffusion import AGRPOConfig, AGRPOTrainer
 
-    trainer = AGRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=AGRPOConfig(output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128),
-        train_dataset=dataset,
-    )
+    args = AGRPOConfig(output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128)
+    trainer = AGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = AGRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "agrpo"]
+    _method_tags = ("agrpo",)
     _name = "AGRPO"
-    _paper = {"title": "Simple Policy Gradients for Reasoning with Diffusion Language Models", "id": "2510.04019"}
+    _paper = paper("2510.04019")
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         scores = super()._score_rollouts(inputs, mode)

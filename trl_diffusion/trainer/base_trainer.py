@@ -369,7 +369,6 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
     """
 
     config_class = DiffusionRLConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
     _name = "DiffusionRL"
     # Whether the loss is back-propagated part by part (see `loss_pieces`) instead of in one backward.
     backward_in_pieces = False

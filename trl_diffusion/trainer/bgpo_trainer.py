@@ -1,4 +1,3 @@
-import textwrap
 from collections.abc import Iterator
 
 import torch
@@ -6,6 +5,7 @@ import torch
 from ..masking import MaskPlan
 from .bgpo_config import BGPOConfig
 from .sequence_elbo_trainer import MAX_LOG_RATIO, SequenceELBOTrainer
+from .utils import paper
 
 
 class BGPOTrainer(SequenceELBOTrainer):
@@ -27,31 +27,17 @@ class BGPOTrainer(SequenceELBOTrainer):
     ```python
     from trl_diffusion import BGPOConfig, BGPOTrainer
 
-    trainer = BGPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=BGPOConfig(output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6),
-        train_dataset=dataset,
-    )
+    args = BGPOConfig(output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6)
+    trainer = BGPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = BGPOConfig
     backward_in_pieces = True
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "bgpo"]
+    _method_tags = ("bgpo",)
     _name = "BGPO"
-    _paper = {
-        "title": "Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language Models",
-        "id": "2510.11683",
-        "citation": textwrap.dedent("""\
-            @article{lin2025bgpo,
-                title        = {{Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language Models}},
-                author       = {Nianyi Lin and Jiajie Zhang and Lei Hou and Juanzi Li},
-                year         = 2025,
-                eprint       = {arXiv:2510.11683},
-            }"""),
-    }
+    _paper = paper("2510.11683")
 
     def _group_loss(self, model, inputs: dict, plan: MaskPlan, mc_indices: list[int], mode: str):
         """The loss of Monte Carlo samples `mc_indices` over the micro-batch, `-sum_j mean_b g_bj / GA` (plus their

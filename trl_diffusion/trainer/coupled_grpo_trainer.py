@@ -1,11 +1,10 @@
-import textwrap
-
 import torch
 
 from ..likelihood import coupled_token_scores
 from ..masking import sample_complementary_masks
 from .coupled_grpo_config import CoupledGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
+from .utils import paper
 
 
 class CoupledGRPOTrainer(TokenLossTrainer):
@@ -30,30 +29,16 @@ class CoupledGRPOTrainer(TokenLossTrainer):
     ```python
     from trl_diffusion import CoupledGRPOConfig, CoupledGRPOTrainer
 
-    trainer = CoupledGRPOTrainer(
-        model="apple/DiffuCoder-7B-Instruct",
-        reward_funcs=my_code_reward,
-        args=CoupledGRPOConfig(output_dir="diffucoder-coupled-grpo", num_iterations=2, num_generations=10),
-        train_dataset=dataset,
-    )
+    args = CoupledGRPOConfig(output_dir="diffucoder-coupled-grpo", num_iterations=2, num_generations=10)
+    trainer = CoupledGRPOTrainer("apple/DiffuCoder-7B-Instruct", my_code_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = CoupledGRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "diffucoder", "coupled-grpo"]
+    _method_tags = ("diffucoder", "coupled-grpo")
     _name = "CoupledGRPO"
-    _paper = {
-        "title": "DiffuCoder: Understanding and Improving Masked Diffusion Models for Code Generation",
-        "id": "2506.20639",
-        "citation": textwrap.dedent("""\
-            @article{gong2025diffucoder,
-                title        = {{DiffuCoder: Understanding and Improving Masked Diffusion Models for Code Generation}},
-                author       = {Shansan Gong and Ruixiang Zhang and Huangjie Zheng and Jiatao Gu and Navdeep Jaitly and Lingpeng Kong and Yizhe Zhang},
-                year         = 2025,
-                eprint       = {arXiv:2506.20639},
-            }"""),
-    }
+    _paper = paper("2506.20639")
 
     score_name = "coupled_scores"
 

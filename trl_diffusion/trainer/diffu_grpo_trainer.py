@@ -1,8 +1,7 @@
-import textwrap
-
 from ..likelihood import mean_field_logprobs
 from .diffu_grpo_config import DiffuGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
+from .utils import paper
 
 
 class DiffuGRPOTrainer(TokenLossTrainer):
@@ -23,31 +22,17 @@ class DiffuGRPOTrainer(TokenLossTrainer):
     from peft import LoraConfig
     from trl_diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 
-    trainer = DiffuGRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=DiffuGRPOConfig(output_dir="llada-d1", num_iterations=12, num_generations=6),
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
-    )
+    args = DiffuGRPOConfig(output_dir="llada-d1", num_iterations=12, num_generations=6)
+    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
+    trainer = DiffuGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
     trainer.train()
     ```
     """
 
     config_class = DiffuGRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "d1", "diffu-grpo"]
+    _method_tags = ("d1", "diffu-grpo")
     _name = "DiffuGRPO"
-    _paper = {
-        "title": "d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning",
-        "id": "2504.12216",
-        "citation": textwrap.dedent("""\
-            @article{zhao2025d1,
-                title        = {{d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning}},
-                author       = {Siyan Zhao and Devaansh Gupta and Qinqing Zheng and Aditya Grover},
-                year         = 2025,
-                eprint       = {arXiv:2504.12216},
-            }"""),
-    }
+    _paper = paper("2504.12216")
 
     score_name = "mean_field_logps"
 

@@ -1,4 +1,3 @@
-import textwrap
 from collections.abc import Iterator
 
 import torch
@@ -6,6 +5,7 @@ import torch
 from ..likelihood import autoregressive_logprobs
 from .base_trainer import DiffusionRLTrainer
 from .just_grpo_config import JustGRPOConfig
+from .utils import paper
 
 
 class JustGRPOTrainer(DiffusionRLTrainer):
@@ -59,33 +59,17 @@ class JustGRPOTrainer(DiffusionRLTrainer):
     ```python
     from trl_diffusion import JustGRPOConfig, JustGRPOTrainer
 
-    trainer = JustGRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=JustGRPOConfig(
-            output_dir="llada-just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6
-        ),
-        train_dataset=dataset,
-    )
+    args = JustGRPOConfig(output_dir="just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6)
+    trainer = JustGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = JustGRPOConfig
     backward_in_pieces = True
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "just-grpo"]
+    _method_tags = ("just-grpo",)
     _name = "JustGRPO"
-    _paper = {
-        "title": "The Flexibility Trap: Why Arbitrary Order Limits Reasoning Potential in Diffusion Language Models",
-        "id": "2601.15165",
-        "citation": textwrap.dedent("""\
-            @article{ni2026flexibility,
-                title        = {{The Flexibility Trap: Why Arbitrary Order Limits Reasoning Potential in Diffusion Language Models}},
-                author       = {Zanlin Ni and Shenzhi Wang and Yang Yue and Tianyu Yu and Weilin Zhao and Yeguo Hua and Tianyi Chen and Jun Song and Cheng Yu and Bo Zheng and Gao Huang},
-                year         = 2026,
-                eprint       = {arXiv:2601.15165},
-            }"""),
-    }
+    _paper = paper("2601.15165")
 
     # The trainers whose rollouts decode a block-causal model's own blocks (tested on SDAR, SDAR-MoE and LLaDA2).
     BLOCK_CAUSAL_TRAINERS = ("bgpo", "vrpo", "espo", "diffu_grpo", "lfpo", "trace_rl")

@@ -1,7 +1,6 @@
 import copy
 import logging
 import os
-import textwrap
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ from ..masking import completion_region
 from ..seeding import LFPO_STATES, keyed_generator
 from .base_trainer import DiffusionRLTrainer
 from .lfpo_config import LFPOConfig
-from .utils import local_or_full, zero3_gathered
+from .utils import local_or_full, paper, zero3_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -91,31 +90,17 @@ class LFPOTrainer(DiffusionRLTrainer):
     ```python
     from trl_diffusion import LFPOConfig, LFPOTrainer
 
-    trainer = LFPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=LFPOConfig(output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0),
-        train_dataset=dataset,
-    )
+    args = LFPOConfig(output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0)
+    trainer = LFPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = LFPOConfig
     backward_in_pieces = True
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "lfpo"]
+    _method_tags = ("lfpo",)
     _name = "LFPO"
-    _paper = {
-        "title": "Efficient Token-Level Policy Optimization for Masked Diffusion Models via Velocity Alignment",
-        "id": "2603.01563",
-        "citation": textwrap.dedent("""\
-            @article{wei2026lfpo,
-                title        = {{Efficient Token-Level Policy Optimization for Masked Diffusion Models via Velocity Alignment}},
-                author       = {Chenxing Wei and Jiazhen Kang and Hong Wang and Jianqing Zhang and Hao Jiang and Xiaolong Xu and Ningyuan Sun and Ying He},
-                year         = 2026,
-                eprint       = {arXiv:2603.01563},
-            }"""),
-    }
+    _paper = paper("2603.01563")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -12,7 +12,6 @@ by L (up to the eps cut-off), the quantity the RL trainers of this package estim
 from __future__ import annotations
 
 import copy
-import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +28,7 @@ from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter
 from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
-from .utils import FinishedRunMixin, check_processing_class, remove_fused_lm_head
+from .utils import FinishedRunMixin, check_processing_class, paper, remove_fused_lm_head
 
 # Rows read at a time when checking the lengths of a dataset.
 _LENGTH_CHECK_BATCH_SIZE = 10_000
@@ -179,28 +178,15 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "2+2?"}]],
                                  "completion": [[{"role": "assistant", "content": "4"}]]})
-    trainer = DiffusionSFTTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        args=DiffusionSFTConfig(output_dir="llada-sft", max_completion_length=256),
-        train_dataset=dataset,
-    )
+    args = DiffusionSFTConfig(output_dir="llada-sft", max_completion_length=256)
+    trainer = DiffusionSFTTrainer("GSAI-ML/LLaDA-8B-Instruct", args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "sft"]
+    _method_tags = ("sft",)
     _name = "DiffusionSFT"
-    _paper = {
-        "title": "Large Language Diffusion Models",
-        "id": "2502.09992",
-        "citation": textwrap.dedent("""\
-            @article{nie2025llada,
-                title        = {{Large Language Diffusion Models}},
-                author       = {Shen Nie and Fengqi Zhu and Zebin You and Xiaolu Zhang and Jingyang Ou and Jun Hu and Jun Zhou and Yankai Lin and Ji-Rong Wen and Chongxuan Li},
-                year         = 2025,
-                eprint       = {arXiv:2502.09992},
-            }"""),
-    }
+    _paper = paper("2502.09992")
     # `compute_loss` returns the mean over the micro-batch's completions; Trainer divides it by the accumulation steps.
     loss_is_scaled_for_ga = False
 

@@ -1,7 +1,6 @@
-import textwrap
-
 from .trace_rl_config import TraceRLConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+from .utils import paper
 
 
 class TraceRLTrainer(TrajectoryRLTrainer):
@@ -20,27 +19,13 @@ class TraceRLTrainer(TrajectoryRLTrainer):
     ```python
     from trl_diffusion import TraceRLConfig, TraceRLTrainer
 
-    trainer = TraceRLTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=TraceRLConfig(output_dir="llada-trace-rl", max_completion_length=256, block_length=32),
-        train_dataset=dataset,
-    )
+    args = TraceRLConfig(output_dir="llada-trace-rl", max_completion_length=256, block_length=32)
+    trainer = TraceRLTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = TraceRLConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "trace-rl"]
+    _method_tags = ("trace-rl",)
     _name = "TraceRL"
-    _paper = {
-        "title": "Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models",
-        "id": "2509.06949",
-        "citation": textwrap.dedent("""\
-            @article{wang2025tracerl,
-                title        = {{Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models}},
-                author       = {Yinjie Wang and Ling Yang and Bowen Li and Ye Tian and Ke Shen and Mengdi Wang},
-                year         = 2025,
-                eprint       = {arXiv:2509.06949},
-            }"""),
-    }
+    _paper = paper("2509.06949")

@@ -1,10 +1,9 @@
-import textwrap
-
 import torch
 
 from ..likelihood import mean_field_logprobs
 from ..masking import completion_region
 from .base_trainer import DiffusionRLTrainer
+from .utils import paper
 from .wd1_config import WD1Config
 
 
@@ -63,31 +62,17 @@ class WD1Trainer(DiffusionRLTrainer):
     from peft import LoraConfig
     from trl_diffusion import WD1Config, WD1Trainer
 
-    trainer = WD1Trainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=WD1Config(output_dir="llada-wd1", num_iterations=12, num_generations=6),
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
-    )
+    args = WD1Config(output_dir="llada-wd1", num_iterations=12, num_generations=6)
+    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
+    trainer = WD1Trainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
     trainer.train()
     ```
     """
 
     config_class = WD1Config
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "wd1"]
+    _method_tags = ("wd1",)
     _name = "WD1"
-    _paper = {
-        "title": "wd1: Weighted Policy Optimization for Reasoning in Diffusion Language Models",
-        "id": "2507.08838",
-        "citation": textwrap.dedent("""\
-            @article{tang2025wd1,
-                title        = {{wd1: Weighted Policy Optimization for Reasoning in Diffusion Language Models}},
-                author       = {Xiaohang Tang and Rares Dolga and Sangwoong Yoon and Ilija Bogunovic},
-                year         = 2025,
-                eprint       = {arXiv:2507.08838},
-            }"""),
-    }
+    _paper = paper("2507.08838")
 
     def group_size(self, mode: str) -> int:
         return self.num_generations if mode == "train" else self.num_generations_eval
