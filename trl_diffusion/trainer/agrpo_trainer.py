@@ -13,7 +13,6 @@ from ..trajectory import (
 from ..trajectory import trajectory_plan as plan_of
 from .agrpo_config import AGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
-from .utils import paper
 
 # TRL's epsilon under the standard deviation that scales the advantages.
 STD_EPSILON = 1e-4
@@ -63,7 +62,7 @@ def stepwise_advantages(
     return advantages.view(-1, slots)
 
 
-class AGRPOTrainer(TrajectoryRLTrainer):
+class AGRPOTrainer(TrajectoryRLTrainer, name="AGRPO", tags=("agrpo",), paper="2510.04019"):
     r"""AGRPO (Amortized GRPO): the policy gradient of the denoising Markov chain, estimated by Monte Carlo over its
     steps; with EGSPO's options (entropy-guided top-K steps, step-level ratios, EGSPO-SA's look-ahead returns).
 
@@ -99,9 +98,6 @@ class AGRPOTrainer(TrajectoryRLTrainer):
     """
 
     config_class = AGRPOConfig
-    _method_tags = ("agrpo",)
-    _name = "AGRPO"
-    _paper = paper("2510.04019")
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         scores = super()._score_rollouts(inputs, mode)

@@ -5,10 +5,9 @@ import torch
 from ..masking import MaskPlan
 from .bgpo_config import BGPOConfig
 from .sequence_elbo_trainer import MAX_LOG_RATIO, SequenceELBOTrainer
-from .utils import paper
 
 
-class BGPOTrainer(SequenceELBOTrainer):
+class BGPOTrainer(SequenceELBOTrainer, name="BGPO", tags=("bgpo",), paper="2510.11683"):
     r"""Boundary-Guided Policy Optimization for masked diffusion language models.
 
     The ELBO objective `A * exp(mean_j d_j)`, `d_j = (l_theta(j) - l_old(j)) / N`, is non-linear in the Monte Carlo
@@ -35,9 +34,6 @@ class BGPOTrainer(SequenceELBOTrainer):
 
     config_class = BGPOConfig
     backward_in_pieces = True
-    _method_tags = ("bgpo",)
-    _name = "BGPO"
-    _paper = paper("2510.11683")
 
     def _group_loss(self, model, inputs: dict, plan: MaskPlan, mc_indices: list[int], mode: str):
         """The loss of Monte Carlo samples `mc_indices` over the micro-batch, `-sum_j mean_b g_bj / GA` (plus their

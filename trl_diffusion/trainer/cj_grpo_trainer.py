@@ -1,9 +1,8 @@
 from .cj_grpo_config import CJGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
-from .utils import paper
 
 
-class CJGRPOTrainer(TrajectoryRLTrainer):
+class CJGRPOTrainer(TrajectoryRLTrainer, name="CJGRPO", tags=("cj-grpo",), paper="2509.23924"):
     r"""CJ-GRPO: GRPO on every transition the sampler made, so that the optimized trajectory is the rollout's.
 
     What it changes w.r.t. [`TrajectoryRLTrainer`]: only the defaults of [`CJGRPOConfig`] (every step, Eq. 11, the
@@ -25,6 +24,3 @@ class CJGRPOTrainer(TrajectoryRLTrainer):
     """
 
     config_class = CJGRPOConfig
-    _method_tags = ("cj-grpo",)
-    _name = "CJGRPO"
-    _paper = paper("2509.23924")

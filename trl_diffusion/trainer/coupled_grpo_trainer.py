@@ -4,10 +4,11 @@ from ..likelihood import coupled_token_scores
 from ..masking import sample_complementary_masks
 from .coupled_grpo_config import CoupledGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
-from .utils import paper
 
 
-class CoupledGRPOTrainer(TokenLossTrainer):
+class CoupledGRPOTrainer(
+    TokenLossTrainer, name="CoupledGRPO", tags=("diffucoder", "coupled-grpo"), paper="2506.20639"
+):
     r"""DiffuCoder's coupled-GRPO: TRL's token-level GRPO loss on per-token scores from a complementary pair of masks.
 
     For each completion and inner iteration a timestep `t ~ U(coupled_t_range)` and a uniform `u_i` per canvas
@@ -36,9 +37,6 @@ class CoupledGRPOTrainer(TokenLossTrainer):
     """
 
     config_class = CoupledGRPOConfig
-    _method_tags = ("diffucoder", "coupled-grpo")
-    _name = "CoupledGRPO"
-    _paper = paper("2506.20639")
 
     score_name = "coupled_scores"
 

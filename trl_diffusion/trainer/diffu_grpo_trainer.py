@@ -1,10 +1,9 @@
 from ..likelihood import mean_field_logprobs
 from .diffu_grpo_config import DiffuGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
-from .utils import paper
 
 
-class DiffuGRPOTrainer(TokenLossTrainer):
+class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-grpo"), paper="2504.12216"):
     r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
 
     The log-probability of completion token `y_i` is read from one forward pass in which every completion position is
@@ -30,9 +29,6 @@ class DiffuGRPOTrainer(TokenLossTrainer):
     """
 
     config_class = DiffuGRPOConfig
-    _method_tags = ("d1", "diffu-grpo")
-    _name = "DiffuGRPO"
-    _paper = paper("2504.12216")
 
     score_name = "mean_field_logps"
 

@@ -3,11 +3,10 @@ import math
 import torch
 
 from .espo_config import ESPOConfig
-from .utils import paper
 from .vrpo_trainer import VRPOTrainer
 
 
-class ESPOTrainer(VRPOTrainer):
+class ESPOTrainer(VRPOTrainer, name="ESPO", tags=("espo",), paper="2512.03759"):
     r"""ELBO-based Sequence-level Policy Optimization for masked diffusion language models.
 
     The whole completion is one action. With coupled (antithetic) Monte Carlo ELBOs `B` under masks shared by the
@@ -35,9 +34,6 @@ class ESPOTrainer(VRPOTrainer):
     """
 
     config_class = ESPOConfig
-    _method_tags = ("espo",)
-    _name = "ESPO"
-    _paper = paper("2512.03759")
 
     def sequence_kl(self, elbo: torch.Tensor, ref_elbo: torch.Tensor) -> torch.Tensor:
         delta = elbo - ref_elbo

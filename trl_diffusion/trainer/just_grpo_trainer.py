@@ -5,10 +5,9 @@ import torch
 from ..likelihood import autoregressive_logprobs
 from .base_trainer import DiffusionRLTrainer
 from .just_grpo_config import JustGRPOConfig
-from .utils import paper
 
 
-class JustGRPOTrainer(DiffusionRLTrainer):
+class JustGRPOTrainer(DiffusionRLTrainer, name="JustGRPO", tags=("just-grpo",), paper="2601.15165"):
     r"""JustGRPO ("The Flexibility Trap"): plain GRPO on a diffusion model run autoregressively during RL.
 
     Rollouts decode left to right, one position per denoising step (`block_length=1`, `diffusion_steps = L`:
@@ -67,9 +66,6 @@ class JustGRPOTrainer(DiffusionRLTrainer):
 
     config_class = JustGRPOConfig
     backward_in_pieces = True
-    _method_tags = ("just-grpo",)
-    _name = "JustGRPO"
-    _paper = paper("2601.15165")
 
     # The trainers whose rollouts decode a block-causal model's own blocks (tested on SDAR, SDAR-MoE and LLaDA2).
     BLOCK_CAUSAL_TRAINERS = ("bgpo", "vrpo", "espo", "diffu_grpo", "lfpo", "trace_rl")

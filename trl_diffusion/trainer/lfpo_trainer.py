@@ -14,7 +14,7 @@ from ..masking import completion_region
 from ..seeding import LFPO_STATES, keyed_generator
 from .base_trainer import DiffusionRLTrainer
 from .lfpo_config import LFPOConfig
-from .utils import local_or_full, paper, zero3_gathered
+from .utils import local_or_full, zero3_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def lfpo_state_masks(
     return masks.to(commit_step.device)
 
 
-class LFPOTrainer(DiffusionRLTrainer):
+class LFPOTrainer(DiffusionRLTrainer, name="LFPO", tags=("lfpo",), paper="2603.01563"):
     r"""Likelihood-Free Policy Optimization for masked diffusion language models.
 
     No likelihood is estimated: on states of the old policy's own denoising trajectories (K per completion), the
@@ -98,9 +98,6 @@ class LFPOTrainer(DiffusionRLTrainer):
 
     config_class = LFPOConfig
     backward_in_pieces = True
-    _method_tags = ("lfpo",)
-    _name = "LFPO"
-    _paper = paper("2603.01563")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -28,7 +28,7 @@ from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter
 from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
-from .utils import FinishedRunMixin, check_processing_class, paper, remove_fused_lm_head
+from .utils import FinishedRunMixin, check_processing_class, remove_fused_lm_head
 
 # Rows read at a time when checking the lengths of a dataset.
 _LENGTH_CHECK_BATCH_SIZE = 10_000
@@ -136,7 +136,15 @@ def _split_at_completion(example: dict) -> dict:
     return {"prompt_ids": example["input_ids"][:prompt_length], "completion_ids": example["input_ids"][prompt_length:]}
 
 
-class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, SFTTrainer):
+class DiffusionSFTTrainer(
+    DiffusionModelCardMixin,
+    HubErrorsMixin,
+    FinishedRunMixin,
+    SFTTrainer,
+    name="DiffusionSFT",
+    tags=("sft",),
+    paper="2502.09992",
+):
     r"""Completion-only supervised fine-tuning of a masked diffusion language model, as LLaDA (and d1, before RL) do.
 
     For each completion a masking ratio `t ~ U(timestep_eps, 1)` is drawn and each completion token is replaced by
@@ -184,9 +192,6 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
     ```
     """
 
-    _method_tags = ("sft",)
-    _name = "DiffusionSFT"
-    _paper = paper("2502.09992")
     # `compute_loss` returns the mean over the micro-batch's completions; Trainer divides it by the accumulation steps.
     loss_is_scaled_for_ga = False
 

@@ -4,10 +4,9 @@ from ..likelihood import eubo_token_mean, view_logprobs
 from ..masking import MaskPlan, completion_region, length_normalizer, spg_code_views
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .spg_config import SPG_CODE_P_MASK_PROMPT, SPGConfig
-from .utils import paper
 
 
-class SPGTrainer(SequenceELBOTrainer):
+class SPGTrainer(SequenceELBOTrainer, name="SPG", tags=("spg",), paper="2510.09541"):
     r"""SPG: Sandwiched Policy Gradient for masked diffusion language models.
 
     REINFORCE on likelihood bounds: a completion with advantage `A >= 0` pushes up a lower bound of its
@@ -56,9 +55,6 @@ class SPGTrainer(SequenceELBOTrainer):
     """
 
     config_class = SPGConfig
-    _method_tags = ("spg",)
-    _name = "SPG"
-    _paper = paper("2510.09541")
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         """Each row's length weight `|C_i| / mean |C|`, the mean over the counted rows of every process."""

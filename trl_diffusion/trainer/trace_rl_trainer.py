@@ -1,9 +1,8 @@
 from .trace_rl_config import TraceRLConfig
 from .trajectory_trainer import TrajectoryRLTrainer
-from .utils import paper
 
 
-class TraceRLTrainer(TrajectoryRLTrainer):
+class TraceRLTrainer(TrajectoryRLTrainer, name="TraceRL", tags=("trace-rl",), paper="2509.06949"):
     r"""TraceRL: PPO on the sampler's own trace, steps merged `transition_grouping` at a time.
 
     What it changes w.r.t. [`TrajectoryRLTrainer`]: only the defaults of [`TraceRLConfig`] (shrinkage 8, k3 towards
@@ -26,6 +25,3 @@ class TraceRLTrainer(TrajectoryRLTrainer):
     """
 
     config_class = TraceRLConfig
-    _method_tags = ("trace-rl",)
-    _name = "TraceRL"
-    _paper = paper("2509.06949")

@@ -1,5 +1,5 @@
-"""Helpers of the trainer layer: the reward-function guard, checks of the trainer arguments, context managers
-around TRL's and transformers' activation checkpointing, and the trainers' papers (`papers.bib`)."""
+"""Helpers of the trainer layer: the reward-function guard, checks of the trainer arguments, and context managers
+around TRL's and transformers' activation checkpointing."""
 
 from __future__ import annotations
 
@@ -7,45 +7,14 @@ import asyncio
 import functools
 import logging
 import numbers
-import re
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import RepeatSampler, get_config_model_id
 
 logger = logging.getLogger(__name__)
-
-# The trainers' papers, one BibTeX entry each (package data, next to this module).
-PAPERS_FILE = Path(__file__).with_name("papers.bib")
-BIBTEX_ENTRY = re.compile(r"^@\w+\{[^,\n]+,\n.*?^\}", re.MULTILINE | re.DOTALL)
-
-
-def bibtex_field(entry: str, name: str) -> str | None:
-    """The value of field `name` of a BibTeX `entry` written one field a line, its braces stripped; None if absent."""
-    match = re.search(rf"^\s*{name}\s*=\s*\{{+(.*?)\}}+,?\s*$", entry, re.MULTILINE)
-    return match.group(1) if match else None
-
-
-@functools.cache
-def papers() -> dict[str, dict[str, str]]:
-    """arXiv id -> the paper of `papers.bib` with that `eprint`, as a trainer's `_paper` (TRL's layout, which its
-    model card reads): `title`, `id` and, when the entry names its authors, `citation` (the entry's text)."""
-    table = {}
-    for match in BIBTEX_ENTRY.finditer(PAPERS_FILE.read_text()):
-        entry = match.group(0)
-        arxiv_id = bibtex_field(entry, "eprint").removeprefix("arXiv:")
-        table[arxiv_id] = {"title": bibtex_field(entry, "title"), "id": arxiv_id}
-        if bibtex_field(entry, "author") is not None:
-            table[arxiv_id]["citation"] = entry
-    return table
-
-
-def paper(arxiv_id: str) -> dict[str, str]:
-    """A trainer's `_paper`: the entry of `papers.bib` for `arxiv_id` (a copy)."""
-    return dict(papers()[arxiv_id])
 
 
 @contextmanager

@@ -1,9 +1,8 @@
 from .sequence_elbo_trainer import SequenceELBOTrainer
-from .utils import paper
 from .vrpo_config import VRPOConfig
 
 
-class VRPOTrainer(SequenceELBOTrainer):
+class VRPOTrainer(SequenceELBOTrainer, name="VRPO", tags=("vrpo",), paper="2505.19223"):
     r"""Online VRPO for masked diffusion language models (LLaDA 1.5's ELBO estimator in a GRPO loop).
 
     With `d = (B_theta - B_old) / N` the ELBO difference of a completion (Monte Carlo masks shared by the current,
@@ -26,9 +25,6 @@ class VRPOTrainer(SequenceELBOTrainer):
     """
 
     config_class = VRPOConfig
-    _method_tags = ("vrpo",)
-    _name = "VRPO"
-    _paper = paper("2505.19223")
 
     def _compute_loss(self, model, inputs):
         """Every Monte Carlo term in one graph, then per completion `-objective(rho, A) * mask + beta * k2`;

@@ -3,7 +3,6 @@ import torch
 from ..likelihood import mean_field_logprobs
 from ..masking import completion_region
 from .base_trainer import DiffusionRLTrainer
-from .utils import paper
 from .wd1_config import WD1Config
 
 
@@ -36,7 +35,7 @@ def group_weights(
     return weights[0], weights[1]
 
 
-class WD1Trainer(DiffusionRLTrainer):
+class WD1Trainer(DiffusionRLTrainer, name="WD1", tags=("wd1",), paper="2507.08838"):
     r"""wd1: ratio-free weighted likelihood on d1's one-pass (mean-field) log-likelihood.
 
     With `Lambda_i` the mean-field log-likelihood of completion i summed over its answer tokens (every completion
@@ -70,9 +69,6 @@ class WD1Trainer(DiffusionRLTrainer):
     """
 
     config_class = WD1Config
-    _method_tags = ("wd1",)
-    _name = "WD1"
-    _paper = paper("2507.08838")
 
     def group_size(self, mode: str) -> int:
         return self.num_generations if mode == "train" else self.num_generations_eval
