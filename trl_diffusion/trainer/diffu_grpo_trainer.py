@@ -3,6 +3,25 @@ from .diffu_grpo_config import DiffuGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
 
 
+def d1_logprobs(trainer, model, inputs: dict, iteration: int, region, return_entropy: bool = False):
+    """d1's one-pass log-probs of `trainer`'s rollout rows (DiffuGRPO's token scores, wd1's likelihood): the whole
+    canvas masked, each prompt token masked with `args.p_mask_prompt` (keyed by the row's mask seed and the inner
+    `iteration`); [`~likelihood.mean_field_logprobs`] over `region`."""
+    prompt_ids, prompt_mask, canvas = trainer.rollout_inputs(inputs)
+    return mean_field_logprobs(
+        model,
+        trainer.adapter,
+        prompt_ids,
+        prompt_mask,
+        canvas,
+        trainer.args.p_mask_prompt,
+        inputs["mask_seeds"],
+        iteration,
+        region=region,
+        return_entropy=return_entropy,
+    )
+
+
 class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-grpo"), paper="2504.12216"):
     r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
 
@@ -33,18 +52,5 @@ class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-gr
     score_name = "mean_field_logps"
 
     def token_scores(self, model, inputs: dict, iteration: int, scored, return_entropy: bool = False):
-        """d1's one-pass log-probs: the whole canvas masked, each prompt token masked with `p_mask_prompt` (keyed by
-        the row's mask seed and the inner iteration)."""
-        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
-        return mean_field_logprobs(
-            model,
-            self.adapter,
-            prompt_ids,
-            prompt_mask,
-            canvas,
-            self.args.p_mask_prompt,
-            inputs["mask_seeds"],
-            iteration,
-            region=scored,
-            return_entropy=return_entropy,
-        )
+        """d1's one-pass log-probs ([`d1_logprobs`])."""
+        return d1_logprobs(self, model, inputs, iteration, scored, return_entropy)

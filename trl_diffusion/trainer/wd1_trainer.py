@@ -1,8 +1,8 @@
 import torch
 
-from ..likelihood import mean_field_logprobs
 from ..masking import completion_region
 from .base_trainer import DiffusionRLTrainer
+from .diffu_grpo_trainer import d1_logprobs
 from .wd1_config import WD1Config
 
 
@@ -93,20 +93,9 @@ class WD1Trainer(DiffusionRLTrainer, name="WD1", tags=("wd1",), paper="2507.0883
     def log_likelihood(self, model, inputs: dict) -> torch.Tensor:
         """`Lambda_i`: the mean-field log-likelihood of each completion summed over its answer (up to and including
         its first terminator), under inner iteration `inputs["inner_iteration"]`'s prompt mask, shape `(batch,)`."""
-        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
-        answer = completion_region(canvas, self.adapter.terminator_ids, "answer")
+        answer = completion_region(self.rollout_inputs(inputs)[2], self.adapter.terminator_ids, "answer")
         with self.accelerator.autocast():
-            logps = mean_field_logprobs(
-                model,
-                self.adapter,
-                prompt_ids,
-                prompt_mask,
-                canvas,
-                self.args.p_mask_prompt,
-                inputs["mask_seeds"],
-                inputs["inner_iteration"],
-                region=answer,
-            )
+            logps = d1_logprobs(self, model, inputs, inputs["inner_iteration"], answer)
         return logps.float().sum(dim=1)
 
     def _compute_loss(self, model, inputs):
