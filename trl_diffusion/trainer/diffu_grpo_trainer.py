@@ -3,10 +3,12 @@ from .diffu_grpo_config import DiffuGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
 
 
-def d1_logprobs(trainer, model, inputs: dict, iteration: int, region, return_entropy: bool = False):
+def d1_logprobs(
+    trainer, model, inputs: dict, p_mask_prompt: float, iteration: int, region, return_entropy: bool = False
+):
     """d1's one-pass log-probs of `trainer`'s rollout rows (DiffuGRPO's token scores, wd1's likelihood): the whole
-    canvas masked, each prompt token masked with `args.p_mask_prompt` (keyed by the row's mask seed and the inner
-    `iteration`); [`~likelihood.mean_field_logprobs`] over `region`."""
+    canvas masked, each prompt token masked with probability `p_mask_prompt` (the config's; keyed by the row's mask
+    seed and the inner `iteration`); [`~likelihood.mean_field_logprobs`] over `region`."""
     prompt_ids, prompt_mask, canvas = trainer.rollout_inputs(inputs)
     return mean_field_logprobs(
         model,
@@ -14,7 +16,7 @@ def d1_logprobs(trainer, model, inputs: dict, iteration: int, region, return_ent
         prompt_ids,
         prompt_mask,
         canvas,
-        trainer.args.p_mask_prompt,
+        p_mask_prompt,
         inputs["mask_seeds"],
         iteration,
         region=region,
@@ -53,4 +55,4 @@ class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-gr
 
     def token_scores(self, model, inputs: dict, iteration: int, scored, return_entropy: bool = False):
         """d1's one-pass log-probs ([`d1_logprobs`])."""
-        return d1_logprobs(self, model, inputs, iteration, scored, return_entropy)
+        return d1_logprobs(self, model, inputs, self.args.p_mask_prompt, iteration, scored, return_entropy)

@@ -95,7 +95,7 @@ class WD1Trainer(DiffusionRLTrainer, name="WD1", tags=("wd1",), paper="2507.0883
         its first terminator), under inner iteration `inputs["inner_iteration"]`'s prompt mask, shape `(batch,)`."""
         answer = completion_region(self.rollout_inputs(inputs)[2], self.adapter.terminator_ids, "answer")
         with self.accelerator.autocast():
-            logps = d1_logprobs(self, model, inputs, inputs["inner_iteration"], answer)
+            logps = d1_logprobs(self, model, inputs, self.args.p_mask_prompt, inputs["inner_iteration"], answer)
         return logps.float().sum(dim=1)
 
     def _compute_loss(self, model, inputs):
