@@ -165,6 +165,34 @@ def test_checkpoint_card_is_the_diffusion_card(tiny_llada_dir, tmp_path):
     assert "trl_diffusion.generate" in card and "| `reward` |" in card
 
 
+def test_trainer_class_keywords_give_trls_card_attributes():
+    """`name`, `tags` and `paper` of a trainer's class statement become the `_name`, `_tag_names` and `_paper` that
+    TRL's card code reads, the paper read from `papers.bib` (an entry without authors gives no citation); a subclass
+    that names none keeps its parent's."""
+    from trl_diffusion import AGRPOTrainer, CJGRPOTrainer, DiffuGRPOTrainer
+    from trl_diffusion.model_card import papers
+
+    assert CJGRPOTrainer._name == "CJGRPO"
+    assert CJGRPOTrainer._tag_names == ["trl", "trl-diffusion", "diffusion-lm", "cj-grpo"]
+    assert DiffuGRPOTrainer._tag_names == ["trl", "trl-diffusion", "diffusion-lm", "d1", "diffu-grpo"]
+    paper = CJGRPOTrainer._paper
+    assert paper["id"] == "2509.23924" and paper["title"].startswith("Taming Masked Diffusion Language Models")
+    assert paper["citation"].startswith("@article{yang2025cjgrpo,\n    title        = {{Taming")
+    assert paper["citation"].endswith("    eprint       = {arXiv:2509.23924},\n}")
+    assert AGRPOTrainer._paper == {
+        "title": "Simple Policy Gradients for Reasoning with Diffusion Language Models",
+        "id": "2510.04019",
+    }
+    assert len(papers()) == 13 and all(
+        entry["id"] in entry.get("citation", entry["id"]) for entry in papers().values()
+    )
+
+    class Renamed(CJGRPOTrainer, name="Renamed"):
+        pass
+
+    assert Renamed._name == "Renamed" and Renamed._paper == paper and Renamed._tag_names == CJGRPOTrainer._tag_names
+
+
 @pytest.mark.parametrize(
     "name_or_path, hub_id, text",
     [

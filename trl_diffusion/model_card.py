@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import fields
 from functools import cache
 from importlib.metadata import version
+from pathlib import Path
 
 import yaml
 from accelerate.utils import is_peft_model
@@ -191,6 +193,36 @@ def base_model_reference(model_config) -> tuple[str | None, str]:
     if os.path.isdir(name_or_path):
         return None, f"`{os.path.basename(os.path.normpath(name_or_path))}` (loaded from a local directory)"
     return name_or_path, f"[{name_or_path}](https://huggingface.co/{name_or_path})"
+
+
+# The trainers' papers, one BibTeX entry each (package data, next to this module).
+PAPERS_FILE = Path(__file__).with_name("papers.bib")
+BIBTEX_ENTRY = re.compile(r"^@\w+\{[^,\n]+,\n.*?^\}", re.MULTILINE | re.DOTALL)
+
+
+def bibtex_field(entry: str, name: str) -> str | None:
+    """The value of field `name` of a BibTeX `entry` written one field a line, its braces stripped; None if absent."""
+    match = re.search(rf"^\s*{name}\s*=\s*\{{+(.*?)\}}+,?\s*$", entry, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+@cache
+def papers() -> dict[str, dict[str, str]]:
+    """arXiv id -> the paper of `papers.bib` with that `eprint`, as a trainer's `_paper` (TRL's layout, which its
+    model card reads): `title`, `id` and, when the entry names its authors, `citation` (the entry's text)."""
+    table = {}
+    for match in BIBTEX_ENTRY.finditer(PAPERS_FILE.read_text()):
+        entry = match.group(0)
+        arxiv_id = bibtex_field(entry, "eprint").removeprefix("arXiv:")
+        table[arxiv_id] = {"title": bibtex_field(entry, "title"), "id": arxiv_id}
+        if bibtex_field(entry, "author") is not None:
+            table[arxiv_id]["citation"] = entry
+    return table
+
+
+def paper_entry(arxiv_id: str) -> dict[str, str]:
+    """A trainer's `_paper` (its class keyword `paper=arxiv_id`): the entry of `papers.bib` for `arxiv_id`, a copy."""
+    return dict(papers()[arxiv_id])
 
 
 def dataset_reference(dataset_name: str | None) -> tuple[list[str] | None, str | None]:
@@ -484,7 +516,23 @@ class DiffusionModelCardMixin:
     saved directory by `save_model`, after the weights: it replaces the metadata PEFT writes with an adapter (PEFT
     would set a local base's path as `base_model` and drop the card's tags) and carries PEFT's own (`library_name:
     peft`, `pipeline_tag`, the method's tag, its version), since `push_to_hub` rewrites it with `create_model_card`
-    anyway."""
+    anyway.
+
+    A trainer class names its method in its class statement, `class CJGRPOTrainer(TrajectoryRLTrainer,
+    name="CJGRPO", tags=("cj-grpo",), paper="2509.23924")`, and gets the attributes TRL's card code reads: `_name`,
+    `_tag_names` (the package's tags, then `tags`) and `_paper` ([`paper_entry`] of the arXiv id, from `papers.bib`). A
+    keyword left out keeps the parent's value."""
+
+    _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
+
+    def __init_subclass__(cls, *, name: str | None = None, tags=None, paper: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls._name = name
+        if tags is not None:
+            cls._tag_names = [*DiffusionModelCardMixin._tag_names, *tags]
+        if paper is not None:
+            cls._paper = paper_entry(paper)
 
     def create_model_card(
         self,

@@ -515,31 +515,7 @@ def code_solved(
 ) -> list[float | None]:
     """1.0 when the completion's program passes every test case, else 0.0 (pass@1 of one sample).
 
-    Args:
-        completions (`list[str]` or `list[list[dict[str, str]]]`):
-            Completions, standard (strings) or conversational (lists of messages).
-        tests (`list[list[str]]`, *optional*):
-            The dataset's `tests` column.
-        test_setup (`list[str]`, *optional*):
-            The dataset's `test_setup` column.
-        timeout_seconds (`float`, *optional*, defaults to `5.0`):
-            Wall-clock limit per program.
-        memory_limit_mb (`int`, *optional*, defaults to `1024`):
-            Address-space limit per program.
-        max_workers (`int`, *optional*):
-            Programs judged at once (worker processes). Defaults to the number of CPUs, at most 8.
-        unsafe_local_execution (`bool`, *optional*, defaults to `False`):
-            Without a sandbox (bubblewrap), run programs in plain subprocesses instead of raising
-            `SandboxUnavailableError`; logged as a warning. Only for code you trust (see [`run_tests`]).
-        max_consecutive_sandbox_failures (`int`, *optional*, defaults to `8`):
-            Raise `SandboxUnavailableError` once this many sandboxes in a row (over batches, in this process) failed
-            to start after the start-up check passed; `None` never raises. Each failure is logged as a warning and
-            its completion unscored (`None`), not scored 0.
-        log_metric (`Callable[[str, float], None]`, *optional*):
-            TRL's metric logger (trainers pass it): each batch's count of sandboxes that failed to start is logged
-            as `<reward name>/sandbox_failures`.
-        **kwargs:
-            The other columns and trainer arguments; unused.
+    Arguments are those of [`code_reward`].
 
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without tests and where the sandbox failed

@@ -168,14 +168,8 @@ def countdown_accuracy(
     """1.0 when [`countdown_reward`] is 1.0 (the equation is correct), else 0.0; `None` where it does not apply.
 
     Args:
-        completions (`list[str]` or `list[list[dict[str, str]]]`):
-            Completions, standard (strings) or conversational (lists of messages).
-        numbers (`list[list[int]]`, *optional*):
-            The dataset's `numbers` column.
-        target (`list[int]`, *optional*):
-            The dataset's `target` column.
-        **kwargs:
-            The other columns and trainer arguments; unused.
+        completions, numbers, target, **kwargs:
+            As in [`countdown_reward`].
 
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without numbers or target.

@@ -162,12 +162,8 @@ def load_mbpp(
     Args:
         split (`str`, *optional*, defaults to `"train"`):
             `"train"` (374), `"validation"` (90), `"test"` (500) or `"prompt"` (10).
-        num_examples (`int`, *optional*):
-            Keep this many rows, drawn with `seed`; all of them by default.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the subsample.
-        path (`str`, *optional*):
-            A local copy of the dataset (see [`load_hub_dataset`]).
+        num_examples, seed, path:
+            As in [`load_gsm8k`].
 
     Returns:
         `datasets.Dataset` with columns `prompt`, `tests` (the asserts), `test_setup`, `solution` (reference code)
@@ -239,12 +235,8 @@ def load_humaneval(
     Args:
         split (`str`, *optional*, defaults to `"test"`):
             `"test"`, the only split.
-        num_examples (`int`, *optional*):
-            Keep this many rows, drawn with `seed`; all of them by default.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the subsample.
-        path (`str`, *optional*):
-            A local copy of the dataset (see [`load_hub_dataset`]).
+        num_examples, seed, path:
+            As in [`load_gsm8k`].
 
     Returns:
         `datasets.Dataset` with columns `prompt`, `tests` (one per assert of `check`, see [`humaneval_tests`]),

@@ -1,5 +1,6 @@
 """The trainers: a shared GRPOTrainer base with diffusion rollouts, and one config/trainer pair per algorithm."""
 
+from .. import _import_structure
 from .agrpo_config import AGRPOConfig
 from .agrpo_trainer import AGRPOTrainer
 from .base_config import DiffusionRLConfig
@@ -34,40 +35,11 @@ from .vrpo_trainer import VRPOTrainer
 from .wd1_config import WD1Config
 from .wd1_trainer import WD1Trainer
 
+# The package root's lazy exports of this layer (one list, read by both), and the building blocks exported only here.
 __all__ = [
-    "AGRPOConfig",
-    "AGRPOTrainer",
-    "BGPOConfig",
-    "BGPOTrainer",
-    "CJGRPOConfig",
-    "CJGRPOTrainer",
-    "CoupledGRPOConfig",
-    "CoupledGRPOTrainer",
-    "DiffuGRPOConfig",
-    "DiffuGRPOTrainer",
-    "DiffusionRLConfig",
-    "DiffusionRLTrainer",
-    "ESPOConfig",
-    "ESPOTrainer",
-    "JustGRPOConfig",
-    "JustGRPOTrainer",
-    "LFPOConfig",
-    "LFPOTrainer",
+    *_import_structure["trainer"],
     "SequenceELBOConfig",
     "SequenceELBOTrainer",
-    "SPGConfig",
-    "SPGTrainer",
     "TokenLossTrainer",
-    "TraceRLConfig",
-    "TraceRLTrainer",
-    "TrajectoryRLConfig",
-    "TrajectoryRLTrainer",
-    "VRPOConfig",
-    "VRPOTrainer",
-    "WD1Config",
-    "WD1Trainer",
-    "lfpo_inference_config",
     "DataCollatorForDiffusionSFT",
-    "DiffusionSFTConfig",
-    "DiffusionSFTTrainer",
 ]

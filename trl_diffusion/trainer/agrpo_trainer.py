@@ -62,7 +62,7 @@ def stepwise_advantages(
     return advantages.view(-1, slots)
 
 
-class AGRPOTrainer(TrajectoryRLTrainer):
+class AGRPOTrainer(TrajectoryRLTrainer, name="AGRPO", tags=("agrpo",), paper="2510.04019"):
     r"""AGRPO (Amortized GRPO): the policy gradient of the denoising Markov chain, estimated by Monte Carlo over its
     steps; with EGSPO's options (entropy-guided top-K steps, step-level ratios, EGSPO-SA's look-ahead returns).
 
@@ -91,20 +91,13 @@ class AGRPOTrainer(TrajectoryRLTrainer):
     ```python
     from trl_diffusion import AGRPOConfig, AGRPOTrainer
 
-    trainer = AGRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=AGRPOConfig(output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128),
-        train_dataset=dataset,
-    )
+    args = AGRPOConfig(output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128)
+    trainer = AGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = AGRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "agrpo"]
-    _name = "AGRPO"
-    _paper = {"title": "Simple Policy Gradients for Reasoning with Diffusion Language Models", "id": "2510.04019"}
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         scores = super()._score_rollouts(inputs, mode)

@@ -277,3 +277,22 @@ class CompletionRegionConfig:
     )
 
     field_rules: ClassVar[dict[str, FieldRule]] = {"elbo_region": choice(ELBO_REGIONS)}
+
+
+@dataclass
+class MeanFieldConfig:
+    r"""
+    The prompt mask of d1's one-pass (mean-field) log-probabilities; a base of the configs whose trainers score with
+    them (DiffuGRPO and wd1).
+
+        p_mask_prompt (`float`, *optional*, defaults to `0.15`):
+            Probability of masking each prompt token in the one-pass log-probability estimate, drawn afresh for each
+            inner iteration (the same draw for the current, old and reference policies).
+    """
+
+    p_mask_prompt: float = field(
+        default=0.15,
+        metadata={"help": "Probability of masking each prompt token in the one-pass log-probability estimate."},
+    )
+
+    field_rules: ClassVar[dict[str, FieldRule]] = {"p_mask_prompt": number(0, 1, high_inclusive=False)}

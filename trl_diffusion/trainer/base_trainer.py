@@ -342,7 +342,9 @@ class TRLContractMixin:
         self._failed_reward_steps = dict(state["failed_reward_steps"])
 
 
-class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, TRLContractMixin, GRPOTrainer):
+class DiffusionRLTrainer(
+    DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, TRLContractMixin, GRPOTrainer, name="DiffusionRL"
+):
     """The shared base of the trl_diffusion RL trainers: [`~trl.GRPOTrainer`] with diffusion rollouts.
 
     It is not an algorithm by itself. What it changes relative to `GRPOTrainer`: completions come from the denoising
@@ -369,8 +371,6 @@ class DiffusionRLTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMix
     """
 
     config_class = DiffusionRLConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm"]
-    _name = "DiffusionRL"
     # Whether the loss is back-propagated part by part (see `loss_pieces`) instead of in one backward.
     backward_in_pieces = False
 

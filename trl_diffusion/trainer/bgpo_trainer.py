@@ -1,4 +1,3 @@
-import textwrap
 from collections.abc import Iterator
 
 import torch
@@ -8,7 +7,7 @@ from .bgpo_config import BGPOConfig
 from .sequence_elbo_trainer import MAX_LOG_RATIO, SequenceELBOTrainer
 
 
-class BGPOTrainer(SequenceELBOTrainer):
+class BGPOTrainer(SequenceELBOTrainer, name="BGPO", tags=("bgpo",), paper="2510.11683"):
     r"""Boundary-Guided Policy Optimization for masked diffusion language models.
 
     The ELBO objective `A * exp(mean_j d_j)`, `d_j = (l_theta(j) - l_old(j)) / N`, is non-linear in the Monte Carlo
@@ -27,31 +26,14 @@ class BGPOTrainer(SequenceELBOTrainer):
     ```python
     from trl_diffusion import BGPOConfig, BGPOTrainer
 
-    trainer = BGPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=BGPOConfig(output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6),
-        train_dataset=dataset,
-    )
+    args = BGPOConfig(output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6)
+    trainer = BGPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = BGPOConfig
     backward_in_pieces = True
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "bgpo"]
-    _name = "BGPO"
-    _paper = {
-        "title": "Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language Models",
-        "id": "2510.11683",
-        "citation": textwrap.dedent("""\
-            @article{lin2025bgpo,
-                title        = {{Boundary-Guided Policy Optimization for Memory-efficient RL of Diffusion Large Language Models}},
-                author       = {Nianyi Lin and Jiajie Zhang and Lei Hou and Juanzi Li},
-                year         = 2025,
-                eprint       = {arXiv:2510.11683},
-            }"""),
-    }
 
     def _group_loss(self, model, inputs: dict, plan: MaskPlan, mc_indices: list[int], mode: str):
         """The loss of Monte Carlo samples `mc_indices` over the micro-batch, `-sum_j mean_b g_bj / GA` (plus their

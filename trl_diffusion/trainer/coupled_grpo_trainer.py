@@ -1,5 +1,3 @@
-import textwrap
-
 import torch
 
 from ..likelihood import coupled_token_scores
@@ -8,7 +6,9 @@ from .coupled_grpo_config import CoupledGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
 
 
-class CoupledGRPOTrainer(TokenLossTrainer):
+class CoupledGRPOTrainer(
+    TokenLossTrainer, name="CoupledGRPO", tags=("diffucoder", "coupled-grpo"), paper="2506.20639"
+):
     r"""DiffuCoder's coupled-GRPO: TRL's token-level GRPO loss on per-token scores from a complementary pair of masks.
 
     For each completion and inner iteration a timestep `t ~ U(coupled_t_range)` and a uniform `u_i` per canvas
@@ -30,30 +30,13 @@ class CoupledGRPOTrainer(TokenLossTrainer):
     ```python
     from trl_diffusion import CoupledGRPOConfig, CoupledGRPOTrainer
 
-    trainer = CoupledGRPOTrainer(
-        model="apple/DiffuCoder-7B-Instruct",
-        reward_funcs=my_code_reward,
-        args=CoupledGRPOConfig(output_dir="diffucoder-coupled-grpo", num_iterations=2, num_generations=10),
-        train_dataset=dataset,
-    )
+    args = CoupledGRPOConfig(output_dir="diffucoder-coupled-grpo", num_iterations=2, num_generations=10)
+    trainer = CoupledGRPOTrainer("apple/DiffuCoder-7B-Instruct", my_code_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = CoupledGRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "diffucoder", "coupled-grpo"]
-    _name = "CoupledGRPO"
-    _paper = {
-        "title": "DiffuCoder: Understanding and Improving Masked Diffusion Models for Code Generation",
-        "id": "2506.20639",
-        "citation": textwrap.dedent("""\
-            @article{gong2025diffucoder,
-                title        = {{DiffuCoder: Understanding and Improving Masked Diffusion Models for Code Generation}},
-                author       = {Shansan Gong and Ruixiang Zhang and Huangjie Zheng and Jiatao Gu and Navdeep Jaitly and Lingpeng Kong and Yizhe Zhang},
-                year         = 2025,
-                eprint       = {arXiv:2506.20639},
-            }"""),
-    }
 
     score_name = "coupled_scores"
 

@@ -1,16 +1,16 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..validation import FieldRule, number
-from .base_config import DiffusionRLConfig
+from .base_config import DiffusionRLConfig, MeanFieldConfig
 
 
 @dataclass
-class DiffuGRPOConfig(DiffusionRLConfig):
+class DiffuGRPOConfig(MeanFieldConfig, DiffusionRLConfig):
     r"""
     Configuration of [`DiffuGRPOTrainer`] (d1's diffu-GRPO). Every field of [`DiffusionRLConfig`] and TRL's
-    `GRPOConfig` applies, with d1's defaults where it departs from TRL's: `loss_type="bnpo"`, `epsilon=0.5`,
-    `beta=0.04`, `use_bias_correction_kl=False`, `scale_rewards="none"` (advantages are reward minus the group mean),
+    `GRPOConfig` applies, and `p_mask_prompt` ([`MeanFieldConfig`]: the prompt mask of the one-pass estimate), with
+    d1's defaults where it departs from TRL's: `loss_type="bnpo"`, `epsilon=0.5`, `beta=0.04`,
+    `use_bias_correction_kl=False`, `scale_rewards="none"` (advantages are reward minus the group mean),
     `temperature=0.9`. d1's recipe also uses `num_iterations` 12 (GSM8K, MATH) or 8 (Countdown, Sudoku),
     `num_generations=6`, `max_completion_length=256`, `block_length=32`, `diffusion_steps=128`,
     `learning_rate=3e-6`, `max_grad_norm=0.2` and LoRA r=128, alpha=64 on a 4-bit base.
@@ -22,10 +22,6 @@ class DiffuGRPOConfig(DiffusionRLConfig):
             inner iteration (the same draw for the current, old and reference policies).
     """
 
-    p_mask_prompt: float = field(
-        default=0.15,
-        metadata={"help": "Probability of masking each prompt token in the one-pass log-probability estimate."},
-    )
     loss_type: str = field(default="bnpo", metadata={"help": "TRL's token-level loss aggregation (d1: bnpo)."})
     epsilon: float = field(default=0.5, metadata={"help": "PPO clip range (d1: 0.5)."})
     beta: float = field(default=0.04, metadata={"help": "KL coefficient of the k3 estimator (d1: 0.04)."})
@@ -41,5 +37,3 @@ class DiffuGRPOConfig(DiffusionRLConfig):
         **DiffusionRLConfig.unsupported_fields,
         "router_aux_loss_coef": ((None,), "the mean-field pass computes no Mixture-of-Experts router loss"),
     }
-
-    field_rules: ClassVar[dict[str, FieldRule]] = {"p_mask_prompt": number(0, 1, high_inclusive=False)}

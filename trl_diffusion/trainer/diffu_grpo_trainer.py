@@ -1,11 +1,30 @@
-import textwrap
-
 from ..likelihood import mean_field_logprobs
 from .diffu_grpo_config import DiffuGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
 
 
-class DiffuGRPOTrainer(TokenLossTrainer):
+def d1_logprobs(
+    trainer, model, inputs: dict, p_mask_prompt: float, iteration: int, region, return_entropy: bool = False
+):
+    """d1's one-pass log-probs of `trainer`'s rollout rows (DiffuGRPO's token scores, wd1's likelihood): the whole
+    canvas masked, each prompt token masked with probability `p_mask_prompt` (the config's; keyed by the row's mask
+    seed and the inner `iteration`); [`~likelihood.mean_field_logprobs`] over `region`."""
+    prompt_ids, prompt_mask, canvas = trainer.rollout_inputs(inputs)
+    return mean_field_logprobs(
+        model,
+        trainer.adapter,
+        prompt_ids,
+        prompt_mask,
+        canvas,
+        p_mask_prompt,
+        inputs["mask_seeds"],
+        iteration,
+        region=region,
+        return_entropy=return_entropy,
+    )
+
+
+class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-grpo"), paper="2504.12216"):
     r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
 
     The log-probability of completion token `y_i` is read from one forward pass in which every completion position is
@@ -23,47 +42,17 @@ class DiffuGRPOTrainer(TokenLossTrainer):
     from peft import LoraConfig
     from trl_diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 
-    trainer = DiffuGRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=DiffuGRPOConfig(output_dir="llada-d1", num_iterations=12, num_generations=6),
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
-    )
+    args = DiffuGRPOConfig(output_dir="llada-d1", num_iterations=12, num_generations=6)
+    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
+    trainer = DiffuGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
     trainer.train()
     ```
     """
 
     config_class = DiffuGRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "d1", "diffu-grpo"]
-    _name = "DiffuGRPO"
-    _paper = {
-        "title": "d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning",
-        "id": "2504.12216",
-        "citation": textwrap.dedent("""\
-            @article{zhao2025d1,
-                title        = {{d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning}},
-                author       = {Siyan Zhao and Devaansh Gupta and Qinqing Zheng and Aditya Grover},
-                year         = 2025,
-                eprint       = {arXiv:2504.12216},
-            }"""),
-    }
 
     score_name = "mean_field_logps"
 
     def token_scores(self, model, inputs: dict, iteration: int, scored, return_entropy: bool = False):
-        """d1's one-pass log-probs: the whole canvas masked, each prompt token masked with `p_mask_prompt` (keyed by
-        the row's mask seed and the inner iteration)."""
-        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
-        return mean_field_logprobs(
-            model,
-            self.adapter,
-            prompt_ids,
-            prompt_mask,
-            canvas,
-            self.args.p_mask_prompt,
-            inputs["mask_seeds"],
-            iteration,
-            region=scored,
-            return_entropy=return_entropy,
-        )
+        """d1's one-pass log-probs ([`d1_logprobs`])."""
+        return d1_logprobs(self, model, inputs, self.args.p_mask_prompt, iteration, scored, return_entropy)

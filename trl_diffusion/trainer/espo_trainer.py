@@ -1,5 +1,4 @@
 import math
-import textwrap
 
 import torch
 
@@ -7,7 +6,7 @@ from .espo_config import ESPOConfig
 from .vrpo_trainer import VRPOTrainer
 
 
-class ESPOTrainer(VRPOTrainer):
+class ESPOTrainer(VRPOTrainer, name="ESPO", tags=("espo",), paper="2512.03759"):
     r"""ELBO-based Sequence-level Policy Optimization for masked diffusion language models.
 
     The whole completion is one action. With coupled (antithetic) Monte Carlo ELBOs `B` under masks shared by the
@@ -27,31 +26,14 @@ class ESPOTrainer(VRPOTrainer):
     from peft import LoraConfig
     from trl_diffusion import ESPOConfig, ESPOTrainer
 
-    trainer = ESPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=ESPOConfig(output_dir="llada-espo", beta=1e-3),
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
-    )
+    args = ESPOConfig(output_dir="llada-espo", beta=1e-3)
+    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
+    trainer = ESPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
     trainer.train()
     ```
     """
 
     config_class = ESPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "espo"]
-    _name = "ESPO"
-    _paper = {
-        "title": "Principled RL for Diffusion LLMs Emerges from a Sequence-Level Perspective",
-        "id": "2512.03759",
-        "citation": textwrap.dedent("""\
-            @article{ou2025espo,
-                title        = {{Principled RL for Diffusion LLMs Emerges from a Sequence-Level Perspective}},
-                author       = {Jingyang Ou and Jiaqi Han and Minkai Xu and Shaoxuan Xu and Jianwen Xie and Stefano Ermon and Yi Wu and Chongxuan Li},
-                year         = 2025,
-                eprint       = {arXiv:2512.03759},
-            }"""),
-    }
 
     def sequence_kl(self, elbo: torch.Tensor, ref_elbo: torch.Tensor) -> torch.Tensor:
         delta = elbo - ref_elbo

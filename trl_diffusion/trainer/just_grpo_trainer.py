@@ -1,4 +1,3 @@
-import textwrap
 from collections.abc import Iterator
 
 import torch
@@ -8,7 +7,7 @@ from .base_trainer import DiffusionRLTrainer
 from .just_grpo_config import JustGRPOConfig
 
 
-class JustGRPOTrainer(DiffusionRLTrainer):
+class JustGRPOTrainer(DiffusionRLTrainer, name="JustGRPO", tags=("just-grpo",), paper="2601.15165"):
     r"""JustGRPO ("The Flexibility Trap"): plain GRPO on a diffusion model run autoregressively during RL.
 
     Rollouts decode left to right, one position per denoising step (`block_length=1`, `diffusion_steps = L`:
@@ -59,33 +58,14 @@ class JustGRPOTrainer(DiffusionRLTrainer):
     ```python
     from trl_diffusion import JustGRPOConfig, JustGRPOTrainer
 
-    trainer = JustGRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=JustGRPOConfig(
-            output_dir="llada-just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6
-        ),
-        train_dataset=dataset,
-    )
+    args = JustGRPOConfig(output_dir="just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6)
+    trainer = JustGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = JustGRPOConfig
     backward_in_pieces = True
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "just-grpo"]
-    _name = "JustGRPO"
-    _paper = {
-        "title": "The Flexibility Trap: Why Arbitrary Order Limits Reasoning Potential in Diffusion Language Models",
-        "id": "2601.15165",
-        "citation": textwrap.dedent("""\
-            @article{ni2026flexibility,
-                title        = {{The Flexibility Trap: Why Arbitrary Order Limits Reasoning Potential in Diffusion Language Models}},
-                author       = {Zanlin Ni and Shenzhi Wang and Yang Yue and Tianyu Yu and Weilin Zhao and Yeguo Hua and Tianyi Chen and Jun Song and Cheng Yu and Bo Zheng and Gao Huang},
-                year         = 2026,
-                eprint       = {arXiv:2601.15165},
-            }"""),
-    }
 
     # The trainers whose rollouts decode a block-causal model's own blocks (tested on SDAR, SDAR-MoE and LLaDA2).
     BLOCK_CAUSAL_TRAINERS = ("bgpo", "vrpo", "espo", "diffu_grpo", "lfpo", "trace_rl")

@@ -1,7 +1,6 @@
 import copy
 import logging
 import os
-import textwrap
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,7 +72,7 @@ def lfpo_state_masks(
     return masks.to(commit_step.device)
 
 
-class LFPOTrainer(DiffusionRLTrainer):
+class LFPOTrainer(DiffusionRLTrainer, name="LFPO", tags=("lfpo",), paper="2603.01563"):
     r"""Likelihood-Free Policy Optimization for masked diffusion language models.
 
     No likelihood is estimated: on states of the old policy's own denoising trajectories (K per completion), the
@@ -91,31 +90,14 @@ class LFPOTrainer(DiffusionRLTrainer):
     ```python
     from trl_diffusion import LFPOConfig, LFPOTrainer
 
-    trainer = LFPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=LFPOConfig(output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0),
-        train_dataset=dataset,
-    )
+    args = LFPOConfig(output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0)
+    trainer = LFPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = LFPOConfig
     backward_in_pieces = True
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "lfpo"]
-    _name = "LFPO"
-    _paper = {
-        "title": "Efficient Token-Level Policy Optimization for Masked Diffusion Models via Velocity Alignment",
-        "id": "2603.01563",
-        "citation": textwrap.dedent("""\
-            @article{wei2026lfpo,
-                title        = {{Efficient Token-Level Policy Optimization for Masked Diffusion Models via Velocity Alignment}},
-                author       = {Chenxing Wei and Jiazhen Kang and Hong Wang and Jianqing Zhang and Hao Jiang and Xiaolong Xu and Ningyuan Sun and Ying He},
-                year         = 2026,
-                eprint       = {arXiv:2603.01563},
-            }"""),
-    }
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -12,7 +12,6 @@ by L (up to the eps cut-off), the quantity the RL trainers of this package estim
 from __future__ import annotations
 
 import copy
-import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +136,15 @@ def _split_at_completion(example: dict) -> dict:
     return {"prompt_ids": example["input_ids"][:prompt_length], "completion_ids": example["input_ids"][prompt_length:]}
 
 
-class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMixin, SFTTrainer):
+class DiffusionSFTTrainer(
+    DiffusionModelCardMixin,
+    HubErrorsMixin,
+    FinishedRunMixin,
+    SFTTrainer,
+    name="DiffusionSFT",
+    tags=("sft",),
+    paper="2502.09992",
+):
     r"""Completion-only supervised fine-tuning of a masked diffusion language model, as LLaDA (and d1, before RL) do.
 
     For each completion a masking ratio `t ~ U(timestep_eps, 1)` is drawn and each completion token is replaced by
@@ -179,28 +186,12 @@ class DiffusionSFTTrainer(DiffusionModelCardMixin, HubErrorsMixin, FinishedRunMi
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "2+2?"}]],
                                  "completion": [[{"role": "assistant", "content": "4"}]]})
-    trainer = DiffusionSFTTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        args=DiffusionSFTConfig(output_dir="llada-sft", max_completion_length=256),
-        train_dataset=dataset,
-    )
+    args = DiffusionSFTConfig(output_dir="llada-sft", max_completion_length=256)
+    trainer = DiffusionSFTTrainer("GSAI-ML/LLaDA-8B-Instruct", args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "sft"]
-    _name = "DiffusionSFT"
-    _paper = {
-        "title": "Large Language Diffusion Models",
-        "id": "2502.09992",
-        "citation": textwrap.dedent("""\
-            @article{nie2025llada,
-                title        = {{Large Language Diffusion Models}},
-                author       = {Shen Nie and Fengqi Zhu and Zebin You and Xiaolu Zhang and Jingyang Ou and Jun Hu and Jun Zhou and Yankai Lin and Ji-Rong Wen and Chongxuan Li},
-                year         = 2025,
-                eprint       = {arXiv:2502.09992},
-            }"""),
-    }
     # `compute_loss` returns the mean over the micro-batch's completions; Trainer divides it by the accumulation steps.
     loss_is_scaled_for_ga = False
 

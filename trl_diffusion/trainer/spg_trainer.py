@@ -1,5 +1,3 @@
-import textwrap
-
 import torch
 
 from ..likelihood import eubo_token_mean, view_logprobs
@@ -8,7 +6,7 @@ from .sequence_elbo_trainer import SequenceELBOTrainer
 from .spg_config import SPG_CODE_P_MASK_PROMPT, SPGConfig
 
 
-class SPGTrainer(SequenceELBOTrainer):
+class SPGTrainer(SequenceELBOTrainer, name="SPG", tags=("spg",), paper="2510.09541"):
     r"""SPG: Sandwiched Policy Gradient for masked diffusion language models.
 
     REINFORCE on likelihood bounds: a completion with advantage `A >= 0` pushes up a lower bound of its
@@ -49,31 +47,14 @@ class SPGTrainer(SequenceELBOTrainer):
     from peft import LoraConfig
     from trl_diffusion import SPGConfig, SPGTrainer
 
-    trainer = SPGTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=SPGConfig(output_dir="llada-spg", num_iterations=4, num_generations=6, eubo_beta=1.5),
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
-    )
+    args = SPGConfig(output_dir="llada-spg", num_iterations=4, num_generations=6, eubo_beta=1.5)
+    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
+    trainer = SPGTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
     trainer.train()
     ```
     """
 
     config_class = SPGConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "spg"]
-    _name = "SPG"
-    _paper = {
-        "title": "SPG: Sandwiched Policy Gradient for Masked Diffusion Language Models",
-        "id": "2510.09541",
-        "citation": textwrap.dedent("""\
-            @article{wang2025spg,
-                title        = {{SPG: Sandwiched Policy Gradient for Masked Diffusion Language Models}},
-                author       = {Chenyu Wang and Paria Rashidinejad and DiJia Su and Song Jiang and Sid Wang and Siyan Zhao and Cai Zhou and Shannon Zejiang Shen and Feiyu Chen and Tommi Jaakkola and Yuandong Tian and Bo Liu},
-                year         = 2025,
-                eprint       = {arXiv:2510.09541},
-            }"""),
-    }
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         """Each row's length weight `|C_i| / mean |C|`, the mean over the counted rows of every process."""

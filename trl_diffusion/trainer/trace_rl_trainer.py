@@ -1,10 +1,8 @@
-import textwrap
-
 from .trace_rl_config import TraceRLConfig
 from .trajectory_trainer import TrajectoryRLTrainer
 
 
-class TraceRLTrainer(TrajectoryRLTrainer):
+class TraceRLTrainer(TrajectoryRLTrainer, name="TraceRL", tags=("trace-rl",), paper="2509.06949"):
     r"""TraceRL: PPO on the sampler's own trace, steps merged `transition_grouping` at a time.
 
     What it changes w.r.t. [`TrajectoryRLTrainer`]: only the defaults of [`TraceRLConfig`] (shrinkage 8, k3 towards
@@ -20,27 +18,10 @@ class TraceRLTrainer(TrajectoryRLTrainer):
     ```python
     from trl_diffusion import TraceRLConfig, TraceRLTrainer
 
-    trainer = TraceRLTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=TraceRLConfig(output_dir="llada-trace-rl", max_completion_length=256, block_length=32),
-        train_dataset=dataset,
-    )
+    args = TraceRLConfig(output_dir="llada-trace-rl", max_completion_length=256, block_length=32)
+    trainer = TraceRLTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = TraceRLConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "trace-rl"]
-    _name = "TraceRL"
-    _paper = {
-        "title": "Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models",
-        "id": "2509.06949",
-        "citation": textwrap.dedent("""\
-            @article{wang2025tracerl,
-                title        = {{Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models}},
-                author       = {Yinjie Wang and Ling Yang and Bowen Li and Ye Tian and Ke Shen and Mengdi Wang},
-                year         = 2025,
-                eprint       = {arXiv:2509.06949},
-            }"""),
-    }

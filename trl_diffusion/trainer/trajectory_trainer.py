@@ -28,7 +28,7 @@ from .trajectory_config import TrajectoryRLConfig
 logger = logging.getLogger(__name__)
 
 
-class TrajectoryRLTrainer(DiffusionRLTrainer):
+class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
     r"""Policy gradient on the sampler's own denoising trajectory, the base of [`TraceRLTrainer`],
     [`CJGRPOTrainer`] and [`AGRPOTrainer`].
 
@@ -63,7 +63,6 @@ class TrajectoryRLTrainer(DiffusionRLTrainer):
 
     config_class = TrajectoryRLConfig
     backward_in_pieces = True
-    _name = "TrajectoryRL"
 
     def __init__(self, model, reward_funcs, args: TrajectoryRLConfig | None = None, *rest, **kwargs):
         # A KL towards the old policy needs no reference model: TRL sees `beta = 0` (it loads and scores none), and

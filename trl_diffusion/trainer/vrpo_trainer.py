@@ -1,10 +1,8 @@
-import textwrap
-
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .vrpo_config import VRPOConfig
 
 
-class VRPOTrainer(SequenceELBOTrainer):
+class VRPOTrainer(SequenceELBOTrainer, name="VRPO", tags=("vrpo",), paper="2505.19223"):
     r"""Online VRPO for masked diffusion language models (LLaDA 1.5's ELBO estimator in a GRPO loop).
 
     With `d = (B_theta - B_old) / N` the ELBO difference of a completion (Monte Carlo masks shared by the current,
@@ -20,30 +18,13 @@ class VRPOTrainer(SequenceELBOTrainer):
     ```python
     from trl_diffusion import VRPOConfig, VRPOTrainer
 
-    trainer = VRPOTrainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=VRPOConfig(output_dir="llada-vrpo", num_mc_samples=4),
-        train_dataset=dataset,
-    )
+    args = VRPOConfig(output_dir="llada-vrpo", num_mc_samples=4)
+    trainer = VRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
     trainer.train()
     ```
     """
 
     config_class = VRPOConfig
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "vrpo"]
-    _name = "VRPO"
-    _paper = {
-        "title": "LLaDA 1.5: Variance-Reduced Preference Optimization for Large Language Diffusion Models",
-        "id": "2505.19223",
-        "citation": textwrap.dedent("""\
-            @article{zhu2025llada15,
-                title        = {{LLaDA 1.5: Variance-Reduced Preference Optimization for Large Language Diffusion Models}},
-                author       = {Fengqi Zhu and Rongzhen Wang and Shen Nie and Xiaolu Zhang and Chunwei Wu and Jun Hu and Jun Zhou and Jianfei Chen and Yankai Lin and Ji-Rong Wen and Chongxuan Li},
-                year         = 2025,
-                eprint       = {arXiv:2505.19223},
-            }"""),
-    }
 
     def _compute_loss(self, model, inputs):
         """Every Monte Carlo term in one graph, then per completion `-objective(rho, A) * mask + beta * k2`;

@@ -2,11 +2,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..validation import FieldRule, number
-from .base_config import DiffusionRLConfig, refused_token_loss_fields
+from .base_config import DiffusionRLConfig, MeanFieldConfig, refused_token_loss_fields
 
 
 @dataclass
-class WD1Config(DiffusionRLConfig):
+class WD1Config(MeanFieldConfig, DiffusionRLConfig):
     r"""
     Configuration of [`WD1Trainer`] (wd1's ratio-free weighted likelihood). Every field of [`DiffusionRLConfig`]
     and TRL's `GRPOConfig` applies except TRL's loss options: `beta` (the KL coefficient) must stay 0, the ratio and
@@ -33,10 +33,6 @@ class WD1Config(DiffusionRLConfig):
         default=1.0,
         metadata={"help": "Inverse temperature of the weights softmax(psi * A) and softmax(-psi * A) over a group."},
     )
-    p_mask_prompt: float = field(
-        default=0.15,
-        metadata={"help": "Probability of masking each prompt token in the one-pass log-probability estimate."},
-    )
     scale_rewards: str = field(
         default="none", metadata={"help": "Advantage scaling: group, batch or none (wd1: none, A = r - mean(r))."}
     )
@@ -61,5 +57,4 @@ class WD1Config(DiffusionRLConfig):
     }
     field_rules: ClassVar[dict[str, FieldRule]] = {
         "psi": number(0, low_inclusive=False, note="the inverse temperature of the weights"),
-        "p_mask_prompt": number(0, 1, high_inclusive=False),
     }

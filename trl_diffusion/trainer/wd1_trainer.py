@@ -1,10 +1,8 @@
-import textwrap
-
 import torch
 
-from ..likelihood import mean_field_logprobs
 from ..masking import completion_region
 from .base_trainer import DiffusionRLTrainer
+from .diffu_grpo_trainer import d1_logprobs
 from .wd1_config import WD1Config
 
 
@@ -37,7 +35,7 @@ def group_weights(
     return weights[0], weights[1]
 
 
-class WD1Trainer(DiffusionRLTrainer):
+class WD1Trainer(DiffusionRLTrainer, name="WD1", tags=("wd1",), paper="2507.08838"):
     r"""wd1: ratio-free weighted likelihood on d1's one-pass (mean-field) log-likelihood.
 
     With `Lambda_i` the mean-field log-likelihood of completion i summed over its answer tokens (every completion
@@ -63,31 +61,14 @@ class WD1Trainer(DiffusionRLTrainer):
     from peft import LoraConfig
     from trl_diffusion import WD1Config, WD1Trainer
 
-    trainer = WD1Trainer(
-        model="GSAI-ML/LLaDA-8B-Instruct",
-        reward_funcs=my_reward,
-        args=WD1Config(output_dir="llada-wd1", num_iterations=12, num_generations=6),
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=128, lora_alpha=64, target_modules="all-linear"),
-    )
+    args = WD1Config(output_dir="llada-wd1", num_iterations=12, num_generations=6)
+    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
+    trainer = WD1Trainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
     trainer.train()
     ```
     """
 
     config_class = WD1Config
-    _tag_names = ["trl", "trl-diffusion", "diffusion-lm", "wd1"]
-    _name = "WD1"
-    _paper = {
-        "title": "wd1: Weighted Policy Optimization for Reasoning in Diffusion Language Models",
-        "id": "2507.08838",
-        "citation": textwrap.dedent("""\
-            @article{tang2025wd1,
-                title        = {{wd1: Weighted Policy Optimization for Reasoning in Diffusion Language Models}},
-                author       = {Xiaohang Tang and Rares Dolga and Sangwoong Yoon and Ilija Bogunovic},
-                year         = 2025,
-                eprint       = {arXiv:2507.08838},
-            }"""),
-    }
 
     def group_size(self, mode: str) -> int:
         return self.num_generations if mode == "train" else self.num_generations_eval
@@ -112,20 +93,9 @@ class WD1Trainer(DiffusionRLTrainer):
     def log_likelihood(self, model, inputs: dict) -> torch.Tensor:
         """`Lambda_i`: the mean-field log-likelihood of each completion summed over its answer (up to and including
         its first terminator), under inner iteration `inputs["inner_iteration"]`'s prompt mask, shape `(batch,)`."""
-        prompt_ids, prompt_mask, canvas = self.rollout_inputs(inputs)
-        answer = completion_region(canvas, self.adapter.terminator_ids, "answer")
+        answer = completion_region(self.rollout_inputs(inputs)[2], self.adapter.terminator_ids, "answer")
         with self.accelerator.autocast():
-            logps = mean_field_logprobs(
-                model,
-                self.adapter,
-                prompt_ids,
-                prompt_mask,
-                canvas,
-                self.args.p_mask_prompt,
-                inputs["mask_seeds"],
-                inputs["inner_iteration"],
-                region=answer,
-            )
+            logps = d1_logprobs(self, model, inputs, self.args.p_mask_prompt, inputs["inner_iteration"], answer)
         return logps.float().sum(dim=1)
 
     def _compute_loss(self, model, inputs):

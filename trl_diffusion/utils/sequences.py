@@ -32,10 +32,8 @@ def cut_at_terminator(completion_ids: torch.LongTensor, terminator_ids: Sequence
     """Cuts each completion after its first terminator (kept), as handed to reward functions.
 
     Args:
-        completion_ids (`torch.LongTensor` of shape `(batch, max_completion_length)`):
-            Completions, e.g. [`DiffusionGenerationOutput.completion_ids`].
-        terminator_ids (`Sequence[int]`):
-            Ids that end a completion, e.g. `adapter.terminator_ids`.
+        completion_ids, terminator_ids:
+            As in [`completion_lengths`].
 
     Returns:
         `list[list[int]]`: one list of token ids per row.
