@@ -14,7 +14,7 @@ from test_generation_cache import CountingModel
 from trl_diffusion.generation import DiffusionGenerationConfig, generate, num_transfer_tokens
 from trl_diffusion.models import DiffusionAdapter, build_tiny_llada2, build_tiny_sdar, build_tiny_sdar_moe
 
-from helpers import decode_each_alone, save_checkpoint, sharpened
+from helpers import decode_each_alone, rollout_batch, save_checkpoint, say_dataset, sharpened, tiny_grpo_config
 
 BLOCK, COMPLETION_LENGTH = 4, 16
 PROMPT_LENGTHS = (5, 6, 8, 11)  # offsets 1, 2, 0 and 3 on the grid of 4
@@ -225,3 +225,29 @@ def test_trainer_rollouts_decode_on_the_models_grid(tiny_tokenizer, tmp_path, mo
             args=BGPOConfig(str(tmp_path / "refused"), **{**settings, "block_length": 8}),
             train_dataset=dataset,
         )
+
+
+def test_the_training_default_is_the_exact_cache_on_a_block_causal_model(tiny_tokenizer, tiny_llada_dir, tmp_path):
+    """`generation_cache=None` (the RL configs' default) resolves to the exact cache of the finished blocks on a
+    block-causal model, whose rollouts are then those of the uncached sampler token for token, and to no cache on a
+    bidirectional one (whose caches approximate)."""
+    from trl_diffusion.trainer import BGPOConfig, BGPOTrainer
+
+    checkpoint = save_checkpoint(build_tiny_sdar(tiny_tokenizer, block_size=BLOCK), tiny_tokenizer, tmp_path / "sdar")
+
+    def trainer(model, name, **settings):
+        args = tiny_grpo_config(BGPOConfig, tmp_path / name, num_mc_samples=2, block_length=BLOCK, **settings)
+        return BGPOTrainer(
+            model,
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            train_dataset=say_dataset(),
+        )
+
+    default, uncached = trainer(checkpoint, "default"), trainer(checkpoint, "none", generation_cache="none")
+    assert default.args.generation_cache is None
+    assert default.diffusion_generation_config.generation_cache == "prefix"
+    assert uncached.diffusion_generation_config.generation_cache == "none"
+    assert default.args.temperature > 0  # sampled rollouts: the same noise, the same tokens
+    assert torch.equal(rollout_batch(default)["completion_ids"], rollout_batch(uncached)["completion_ids"])
+    assert trainer(tiny_llada_dir, "llada").diffusion_generation_config.generation_cache == "none"

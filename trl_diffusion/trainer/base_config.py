@@ -4,8 +4,8 @@ and advantage settings of the shared base."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, ClassVar
 
 from trl import GRPOConfig
 
@@ -22,15 +22,18 @@ from ..validation import (
     number,
 )
 
+if TYPE_CHECKING:
+    from ..models import DiffusionAdapter
 
-def sampler_field(name: str, default=None, note: str | None = None):
+
+def sampler_field(name: str, default=MISSING, note: str | None = None):
     """The config field of sampler setting `name`: the default (unless `default` is given), help and choices of
     [`DiffusionGenerationConfig`]'s field, `note` appended to the help."""
     source = DiffusionGenerationConfig.__dataclass_fields__[name]
     metadata = dict(source.metadata)
     if note:
         metadata["help"] = f"{metadata['help']} {note}"
-    return field(default=source.default if default is None else default, metadata=metadata)
+    return field(default=source.default if default is MISSING else default, metadata=metadata)
 
 
 def _trl_defaults(reasons: dict[str, str]) -> dict[str, tuple[tuple, str]]:
@@ -133,8 +136,12 @@ class DiffusionRLConfig(GRPOConfig):
     eos_rejection_min: float | None = sampler_field("eos_rejection_min")
     eos_rejection_max: float = sampler_field("eos_rejection_max")
     running_confidence: bool = sampler_field("running_confidence")
-    generation_cache: str = sampler_field(
-        "generation_cache", note="Off in training until its effect on learning is measured (docs/benchmarks.md)."
+    generation_cache: str | None = sampler_field(
+        "generation_cache",
+        default=None,
+        note="Default (None): `prefix` on a block-causal model, whose cache of the finished blocks is exact (the same "
+        "rollouts, faster), `none` on a bidirectional one, whose caches approximate (docs/benchmarks.md, 'Fast "
+        "rollouts in training').",
     )
     mask_token_id: int | None = field(
         default=None,
@@ -242,9 +249,18 @@ class DiffusionRLConfig(GRPOConfig):
         # Validates the sampler settings now rather than at the first rollout (the messages name the same fields).
         self.to_generation_config()
 
-    def to_generation_config(self) -> DiffusionGenerationConfig:
-        """The [`DiffusionGenerationConfig`] of the rollouts."""
-        return DiffusionGenerationConfig(**{name: getattr(self, name) for name in SAMPLER_FIELDS})
+    def to_generation_config(self, adapter: DiffusionAdapter | None = None) -> DiffusionGenerationConfig:
+        """The [`DiffusionGenerationConfig`] of the rollouts.
+
+        Args:
+            adapter ([`DiffusionAdapter`], *optional*):
+                The model's adapter, which resolves `generation_cache=None`: `"prefix"` on a block-causal model (its
+                exact cache), else (and without an adapter) `"none"`.
+        """
+        settings = {name: getattr(self, name) for name in SAMPLER_FIELDS}
+        if settings["generation_cache"] is None:
+            settings["generation_cache"] = "prefix" if adapter is not None and adapter.block_causal else "none"
+        return DiffusionGenerationConfig(**settings)
 
 
 # The sampler settings a trainer config carries: the fields of `DiffusionGenerationConfig` that `DiffusionRLConfig`

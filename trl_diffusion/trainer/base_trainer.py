@@ -484,7 +484,7 @@ class DiffusionRLTrainer(
         terminators = tuple(dict.fromkeys([*adapter.terminator_ids, *self.eos_token_ids]))
         self.adapter = replace(adapter, terminator_ids=terminators)
         self.eos_token_ids = list(terminators)
-        self.diffusion_generation_config = args.to_generation_config()
+        self.diffusion_generation_config = args.to_generation_config(self.adapter)
         self.check_rollout_model(self.adapter)
         context = self.adapter.context_length
         canvas = args.max_completion_length + (args.max_prompt_length or 0)

@@ -108,7 +108,7 @@ class JustGRPOConfig(DiffusionRLConfig):
             "trained, and the ratio would not be a token ratio",
         ),
         "generation_cache": (
-            ("none",),
+            (None, "none"),
             "with one position per block every step is the first of its block and runs the whole sequence, so the "
             "cache is written and never read",
         ),

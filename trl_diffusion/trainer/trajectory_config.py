@@ -2,13 +2,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ..generation import DiffusionGenerationConfig
 from ..masking import ELBO_REGIONS
 from ..trajectory import MONTE_CARLO_SELECTIONS, TRANSITION_SELECTIONS
 from ..validation import FieldRule, choice, integer, number
 from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
+
+if TYPE_CHECKING:
+    from ..models import DiffusionAdapter
 
 RATIO_LEVELS = ("token", "transition")
 OLD_LOGPROB_SOURCES = ("recompute", "sampler")
@@ -257,10 +260,10 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
     def is_monte_carlo(self) -> bool:
         return self.transition_selection in MONTE_CARLO_SELECTIONS
 
-    def to_generation_config(self) -> DiffusionGenerationConfig:
+    def to_generation_config(self, adapter: DiffusionAdapter | None = None) -> DiffusionGenerationConfig:
         """The rollouts' sampler, recording per committed token its log-prob, its entropy and whether it was sampled
         (two floats and a flag per position): the targets are the sampled tokens, and `old_logprobs="sampler"` and
         the entropy selections read the rest."""
-        config = super().to_generation_config()
+        config = super().to_generation_config(adapter)
         config.record_commit_logprobs = True
         return config

@@ -77,11 +77,11 @@ class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
             if towards_old:
                 args.beta = beta
         self.kl_coefficient = self.args.beta
-        approximate_cache = self.args.generation_cache != "none" and not self.adapter.block_causal
-        if self.args.old_logprobs == "sampler" and approximate_cache:
+        cache = self.diffusion_generation_config.generation_cache
+        if self.args.old_logprobs == "sampler" and cache != "none" and not self.adapter.block_causal:
             raise ValueError(
                 f"`old_logprobs='sampler'` uses the log-probs of the rollout's forwards, and "
-                f"`generation_cache={self.args.generation_cache!r}` makes them approximate (cached positions do not see "
+                f"`generation_cache={cache!r}` makes them approximate (cached positions do not see "
                 "the block's later commits), so the ratio would not start at 1: use `generation_cache='none'`, or "
                 "`old_logprobs='recompute'`."
             )
