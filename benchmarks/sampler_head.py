@@ -78,6 +78,15 @@ class WholeCanvasHead(torch.nn.Module):
         return output
 
 
+def sampler_case(preset: Preset, device) -> tuple:
+    """The random LLaDA of `preset` on `device` (bfloat16 on a GPU) in eval mode, its adapter, and the `input_ids`
+    and `attention_mask` of its prompt batch."""
+    tokenizer = build_tiny_tokenizer()
+    model = random_llada(preset.size, tokenizer, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model = model.to(device).eval()
+    return model, DiffusionAdapter.from_model(model, tokenizer), *prompt_batch(tokenizer, preset.rows, device)
+
+
 def prompt_batch(tokenizer, rows: int, device):
     dataset = get_task("largest_digit").load("test", num_examples=rows)
     batch = tokenizer.apply_chat_template(
@@ -95,13 +104,8 @@ def main(argv=None) -> dict:
     device, preset_name, preset = select_preset(args, PRESETS)
     set_threads(args.threads if device == "cpu" else None)
 
-    tokenizer = build_tiny_tokenizer()
-    size = preset.size
-    model = random_llada(size, tokenizer, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    model = model.to(device).eval()
-    adapter = DiffusionAdapter.from_model(model, tokenizer)
+    model, adapter, input_ids, attention_mask = sampler_case(preset, device)
     models = {HEADS[0]: WholeCanvasHead(model, preset.max_completion_length), HEADS[1]: model}
-    input_ids, attention_mask = prompt_batch(tokenizer, preset.rows, device)
     configs = {
         cache: DiffusionGenerationConfig(
             max_completion_length=preset.max_completion_length,

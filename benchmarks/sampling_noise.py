@@ -30,15 +30,13 @@ from _common import (
     clock,
     format_table,
     machine_info,
-    random_llada,
     select_preset,
     set_threads,
     write_json,
 )
-from sampler_head import PRESETS, prompt_batch
+from sampler_head import PRESETS, sampler_case
 
 from trl_diffusion.generation import CACHE_MODES, DiffusionGenerationConfig, features, generate
-from trl_diffusion.models import DiffusionAdapter, build_tiny_tokenizer
 
 VARIANTS = ("greedy", "counter uniform + CDF", "Gumbel-max (former)")
 TEMPERATURE = 1.0
@@ -86,11 +84,7 @@ def main(argv=None) -> dict:
     device, preset_name, preset = select_preset(args, PRESETS)
     set_threads(args.threads if device == "cpu" else None)
 
-    tokenizer = build_tiny_tokenizer()
-    model = random_llada(preset.size, tokenizer, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    model = model.to(device).eval()
-    adapter = DiffusionAdapter.from_model(model, tokenizer)
-    input_ids, attention_mask = prompt_batch(tokenizer, preset.rows, device)
+    model, adapter, input_ids, attention_mask = sampler_case(preset, device)
     shape = dict(
         max_completion_length=preset.max_completion_length,
         block_length=preset.block_length,
