@@ -69,14 +69,14 @@ def sample_categorical(logits: torch.Tensor, temperature: float, uniform: torch.
     """Samples from `softmax(logits / temperature)` over the last dimension, one token per uniform (of the leading
     shape of `logits`): the token whose CDF interval holds `uniform * total`.
 
-    The probabilities are float32 (relative error about 1e-7 each), summed in chunks
-    of `CDF_CHUNK` tokens (float32, pairwise: a chunk's sum is exact to about 1e-7 of itself) and accumulated over the
-    chunks and inside the chosen chunk in float64, so that every token of positive probability keeps its interval whatever
-    the vocabulary size, and a token of probability 0 (the mask token, one cut by top-k / top-p) has an empty interval
-    and is never drawn. Inverting in two levels, over the chunks' sums and then inside one chunk, costs one float32
-    pass over the vocabulary instead of a float64 cumulative sum over it.
+    The probabilities are float32 (relative error about 1e-7 each), summed in chunks of `CDF_CHUNK` tokens (float32,
+    pairwise: a chunk's sum is exact to about 1e-7 of itself) and accumulated over the chunks and inside the chosen
+    chunk in float64, so that every token of positive probability keeps its interval whatever the vocabulary size,
+    and a token of probability 0 (the mask token, one cut by top-k / top-p) has an empty interval and is never drawn.
+    Inverting in two levels, over the chunks' sums and then inside one chunk, costs one float32 pass over the
+    vocabulary instead of a float64 cumulative sum over it.
     """
-    # Softmax is one fused pass (the CDF is scaled by its total, so the normalization itself is not needed).
+    # One fused pass; the target is scaled by the CDF's own total, so the normalization's rounding does not matter.
     weights = (logits if temperature == 1 else logits / temperature).softmax(dim=-1)
     leading, vocab = weights.shape[:-1], weights.shape[-1]
     weights = weights.reshape(-1, vocab)
