@@ -12,6 +12,7 @@ from datasets import Dataset
 from test_generation_cache import CountingModel
 
 from trl_diffusion.generation import DiffusionGenerationConfig, generate, num_transfer_tokens
+from trl_diffusion.model_card import card_sampler
 from trl_diffusion.models import DiffusionAdapter, build_tiny_llada2, build_tiny_sdar, build_tiny_sdar_moe
 
 from helpers import decode_each_alone, rollout_batch, save_checkpoint, say_dataset, sharpened, tiny_grpo_config
@@ -247,6 +248,7 @@ def test_the_training_default_is_the_exact_cache_on_a_block_causal_model(tiny_to
     default, uncached = trainer(checkpoint, "default"), trainer(checkpoint, "none", generation_cache="none")
     assert default.args.generation_cache is None
     assert default.diffusion_generation_config.generation_cache == "prefix"
+    assert card_sampler(default)[1].generation_cache == "prefix"  # the model card records what the rollouts ran
     assert uncached.diffusion_generation_config.generation_cache == "none"
     assert default.args.temperature > 0  # sampled rollouts: the same noise, the same tokens
     assert torch.equal(rollout_batch(default)["completion_ids"], rollout_batch(uncached)["completion_ids"])

@@ -337,17 +337,18 @@ def loading_text(route: str, model_type: str, remote_code: bool, adapter: str | 
     return text
 
 
-def card_sampler(args) -> tuple[bool, DiffusionGenerationConfig]:
+def card_sampler(trainer) -> tuple[bool, DiffusionGenerationConfig]:
     """The sampler of the card: `(whether training decoded with it, its config)`.
 
     Args:
-        args (`DiffusionRLConfig` or `DiffusionSFTConfig`):
-            The trainer's config. An RL config's rollouts decode with `args.to_generation_config()`; an SFT config
-            decodes nothing, and the card's sampler is the default one on its `max_completion_length` canvas (one
-            block) when that is set.
+        trainer (`DiffusionRLTrainer` or `DiffusionSFTTrainer`):
+            The trainer. An RL trainer's rollouts decode with its `diffusion_generation_config` (the settings resolved
+            for its model, `generation_cache` included); an SFT trainer decodes nothing, and the card's sampler is the
+            default one on its config's `max_completion_length` canvas (one block) when that is set.
     """
-    if hasattr(args, "to_generation_config"):
-        return True, args.to_generation_config()
+    if hasattr(trainer, "diffusion_generation_config"):
+        return True, trainer.diffusion_generation_config
+    args = trainer.args
     length = getattr(args, "max_completion_length", None)
     if length is None:
         return False, DiffusionGenerationConfig()
@@ -446,7 +447,7 @@ def generate_model_card(
     base_model, base_model_text = base_model_reference(model_config)
     base_path = get_config_model_id(model_config)
     datasets, dataset_text = dataset_reference(dataset_name)
-    trained_sampler, config = card_sampler(trainer.args)
+    trained_sampler, config = card_sampler(trainer)
     # The sampler's own fields, not the trainer config's: this module sits below the trainer layer.
     settings = [
         (field.name, config.num_steps if field.name == "diffusion_steps" else getattr(config, field.name))
