@@ -54,7 +54,7 @@ class FormerGumbelMax(features.Proposer):
             counts = torch.bincount(candidates.rows, minlength=len(state.completion)).tolist()
             shapes = [(row, (count, vocab)) for row, count in enumerate(counts) if count > 0]
         else:
-            shapes = [(row, (candidates.shape[1], vocab)) for row in state.active_row_list]
+            shapes = [(row, (candidates.shape[1], vocab)) for row in state.active_rows.tolist()]
         uniform = torch.cat(
             [
                 torch.rand(shape, generator=state.generator[row], device=logits.device, dtype=torch.float64)

@@ -18,9 +18,8 @@ class DecodingState:
     and `steps_per_row` (`(batch,)`), each row's current block (`block_index`) and step in it (`block_step`), and
     `step`, the step counter. Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
     `committable` (`(batch, L)`), `active_rows` (the rows still decoding), `candidates` (the [`Candidates`] of the
-    step's proposals). `active_row_list` (the active rows on the host, looked up with them). Fixed: `config`, `adapter`,
-    `generator`, `noise_keys` (each row's key of its sampling noise), `terminator_ids` (a tensor), `positions`
-    (`0 .. L - 1`) and `fixed_schedule`.
+    step's proposals). Fixed: `config`, `adapter`, `generator`, `noise_keys` (each row's key of its sampling noise),
+    `terminator_ids` (a tensor), `positions` (`0 .. L - 1`) and `fixed_schedule`.
 
     With `fixed_schedule` (no decoding feature changes the steps of a block), a block ends at the last step of the
     schedule that commits a token (its counts sum to its masks), which is known when the row enters it: the steps
@@ -70,9 +69,7 @@ class DecodingState:
         self.block_end_step = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.next_block_end = 0
         self.step = 0
-        self.masked = self.in_block = self.committable = self.active_rows = self.active_row_list = self.candidates = (
-            None
-        )
+        self.masked = self.in_block = self.committable = self.active_rows = self.candidates = None
 
     def enter_blocks(self) -> torch.BoolTensor | None:
         """Starts a step: each row decodes the first block that still has masks (rows may be in different blocks under
@@ -102,7 +99,6 @@ class DecodingState:
             block_end = self.step + self.config.steps_per_block - trailing_zeros
             self.block_end_step = torch.where(entered, block_end, self.block_end_step)
         self.active_rows = (~self.finished).nonzero().squeeze(1)
-        self.active_row_list = self.active_rows.tolist()
         if self.fixed_schedule and len(self.active_rows) > 0:
             self.next_block_end = int(self.block_end_step[self.active_rows].min())
         return entered
