@@ -31,6 +31,8 @@ from trl_diffusion.models import (
     DreamModel,
     LLaDAConfig,
     LLaDAModelLM,
+    build_tiny_llada,
+    build_tiny_sdar,
 )
 
 # config.json of GSAI-ML/LLaDA-8B-Instruct (identical for -Base), shared/research/llada-architecture.md section 2.
@@ -577,3 +579,9 @@ def test_native_models_are_registered_in_a_fresh_interpreter_whatever_the_import
         [sys.executable, "-c", imports + "\n" + REGISTRATION_CHECK], capture_output=True, text=True, env=env
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("builder", [build_tiny_llada, build_tiny_sdar])
+def test_tiny_builders_refuse_a_misspelled_size(builder):
+    with pytest.raises(TypeError, match="num_hiden_layers: not a field"):
+        builder(num_hiden_layers=1)

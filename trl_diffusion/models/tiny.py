@@ -6,16 +6,18 @@ Every builder returns ordinary transformers objects: `save_pretrained` them to a
 
 from __future__ import annotations
 
+import dataclasses
 import string
+from types import MappingProxyType
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .dream import DreamConfig, DreamModel
-from .llada import LLaDAConfig, LLaDAModelLM
-from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
-from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
+from .dream import DreamModel
+from .llada import LLaDAModelLM
+from .llada2 import LLaDA2MoeModelLM
+from .sdar import SDARForCausalLM, SDARMoeForCausalLM
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -63,50 +65,6 @@ def terminator_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     return [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN)]
 
 
-def build_tiny_bidirectional_llama(
-    tokenizer: PreTrainedTokenizerFast | None = None,
-    *,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> LlamaForCausalLM:
-    """A randomly initialized `LlamaForCausalLM` run bidirectionally (`config.is_causal = False`): the generic
-    "any bidirectional transformer with a mask token" of the package.
-
-    Args:
-        tokenizer (`PreTrainedTokenizerFast`, *optional*):
-            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
-        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size (`int`):
-            Llama sizes.
-        max_position_embeddings (`int`):
-            The context length the adapter enforces.
-        seed (`int`):
-            Seed of a private generator for the initial weights (the global RNG is left alone).
-        dtype (`torch.dtype`):
-            Parameter dtype.
-    """
-    return _build_tiny_model(
-        LlamaForCausalLM,
-        LlamaConfig,
-        tokenizer,
-        seed,
-        dtype,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        is_causal=False,
-    )
-
-
 def reinitialize(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
     """Redraws every weight matrix from N(0, std) with a private generator, so a tiny model is the same on every
     machine and global RNG state is untouched. Norm weights stay at one."""
@@ -119,22 +77,82 @@ def reinitialize(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
                 parameter.zero_()
 
 
+# Toy sizes of each family's tiny model: the config fields its builder sets unless the caller overrides them.
+_LLAMA_SIZES = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 1024,
+}
+TINY_SIZES = MappingProxyType(
+    {
+        "llama": MappingProxyType(_LLAMA_SIZES),
+        "llada": MappingProxyType(
+            {"d_model": 64, "n_layers": 2, "n_heads": 4, "mlp_hidden_size": 128, "max_sequence_length": 1024}
+        ),
+        "sdar": MappingProxyType({**_LLAMA_SIZES, "head_dim": 16, "block_size": 4}),
+        "sdar_moe": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "block_size": 4,
+                "max_position_embeddings": 1024,
+            }
+        ),
+        "llada2": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "intermediate_size": 96,
+                "num_experts": 16,
+                "n_group": 4,
+                "topk_group": 2,
+                "num_experts_per_tok": 4,
+                "moe_intermediate_size": 32,
+                "block_size": 4,
+                "max_position_embeddings": 1024,
+            }
+        ),
+    }
+)
+
+
 def _build_tiny_model(
     model_class: type[torch.nn.Module],
-    config_class: type,
     tokenizer: PreTrainedTokenizerFast | None,
     seed: int,
     dtype: torch.dtype,
-    vocab_size: int | None = None,
-    **sizes,
+    family: str,
+    sizes: dict,
+    **derived,
 ) -> torch.nn.Module:
-    """What every tiny builder shares: a `config_class` of the given sizes whose vocabulary (`vocab_size`, default
-    the tokenizer's) and special ids come from the tokenizer (default: [`build_tiny_tokenizer`]; EOS and end-of-turn
-    as terminators), SDPA attention, weights redrawn by [`reinitialize`] from `seed`, parameters cast to `dtype`."""
+    """What every tiny builder shares: a config of `model_class` with the caller's `sizes` over the family's
+    `TINY_SIZES` (a name that is neither a config field nor a toy size raises a `TypeError`) and the builder's
+    `derived` fields, whose vocabulary (unless `vocab_size` is given) and special ids come from the tokenizer
+    (default: [`build_tiny_tokenizer`]; EOS and end-of-turn as terminators), SDPA attention, weights redrawn by
+    [`reinitialize`] from `seed`, parameters cast to `dtype`."""
+    config_class = model_class.config_class
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    unknown = sorted(set(sizes) - fields - set(TINY_SIZES[family]))
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: not a field of `{config_class.__name__}`.")
+    sizes = {**TINY_SIZES[family], **sizes}
+    if "max_window_layers" in fields:  # Qwen's sliding-window depth: every layer (unused without a window)
+        derived.setdefault("max_window_layers", sizes["num_hidden_layers"])
     tokenizer = tokenizer or build_tiny_tokenizer()
     config = config_class(
-        vocab_size=vocab_size or len(tokenizer),
-        **sizes,
+        **{"vocab_size": len(tokenizer), **sizes, **derived},
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=terminator_ids(tokenizer),
@@ -146,224 +164,111 @@ def _build_tiny_model(
     return model.to(dtype)
 
 
-def build_tiny_llada(
-    tokenizer: PreTrainedTokenizerFast | None = None,
-    *,
-    d_model: int = 64,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    mlp_hidden_size: int = 128,
-    max_sequence_length: int = 1024,
-    vocab_size: int | None = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> LLaDAModelLM:
-    """A randomly initialized native LLaDA with the architecture flags of LLaDA-8B (bidirectional Llama block, RoPE
-    theta 500000 in float32, RMSNorm, SiLU-gated MLP, untied head) at toy sizes.
+def build_tiny_bidirectional_llama(
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
+) -> LlamaForCausalLM:
+    """A randomly initialized `LlamaForCausalLM` run bidirectionally (`config.is_causal = False`): the generic
+    "any bidirectional transformer with a mask token" of the package.
 
     Args:
         tokenizer (`PreTrainedTokenizerFast`, *optional*):
             Fixes the vocabulary and the special ids: mask token, pad, EOS and end-of-turn as terminators (default:
             [`build_tiny_tokenizer`]).
-        d_model, n_layers, n_heads, mlp_hidden_size (`int`):
-            LLaDA sizes (published field names).
-        max_sequence_length (`int`):
-            The context length the adapter enforces.
-        vocab_size (`int`, *optional*):
-            Width of the embedding and the head, at least the tokenizer's vocabulary (default: exactly it). The extra
-            ids decode to nothing; the benchmarks use them to compute at a real model's width.
-        seed (`int`):
+        seed (`int`, *optional*, defaults to 0):
             Seed of a private generator for the initial weights (the global RNG is left alone).
-        dtype (`torch.dtype`):
-            Parameter dtype (RoPE stays float32 whatever it is).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
+            Parameter dtype.
+        sizes:
+            `LlamaConfig` fields over the toy sizes `TINY_SIZES["llama"]` (`max_position_embeddings`: the context
+            length the adapter enforces).
     """
-    tokenizer = tokenizer or build_tiny_tokenizer()
-    vocab_size = max(len(tokenizer), vocab_size or 0)
+    sizes = {**TINY_SIZES["llama"], **sizes}
     return _build_tiny_model(
-        LLaDAModelLM,
-        LLaDAConfig,
-        tokenizer,
-        seed,
-        dtype,
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=n_heads,
-        n_layers=n_layers,
-        mlp_hidden_size=mlp_hidden_size,
-        max_sequence_length=max_sequence_length,
-        vocab_size=vocab_size,
-        embedding_size=vocab_size,
+        LlamaForCausalLM, tokenizer, seed, dtype, "llama", sizes, tie_word_embeddings=False, is_causal=False
     )
 
 
+def build_tiny_llada(
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
+) -> LLaDAModelLM:
+    """A randomly initialized native LLaDA with the architecture flags of LLaDA-8B (bidirectional Llama block, RoPE
+    theta 500000 in float32, RMSNorm, SiLU-gated MLP, untied head) at toy sizes.
+
+    Args:
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`] (RoPE stays float32 whatever `dtype` is).
+        sizes:
+            [`LLaDAConfig`] fields (published names: `d_model`, `n_layers`, `n_heads`, ...) over `TINY_SIZES["llada"]`;
+            `n_kv_heads` defaults to `n_heads`. `vocab_size` widens the embedding and the head beyond the tokenizer's
+            vocabulary (never narrows them): the extra ids decode to nothing, and the benchmarks use them to compute at
+            a real model's width.
+    """
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    sizes = {**TINY_SIZES["llada"], **sizes}
+    sizes["vocab_size"] = max(len(tokenizer), sizes.get("vocab_size") or 0)
+    sizes.setdefault("n_kv_heads", sizes["n_heads"])
+    return _build_tiny_model(LLaDAModelLM, tokenizer, seed, dtype, "llada", sizes, embedding_size=sizes["vocab_size"])
+
+
 def build_tiny_dream(
-    tokenizer: PreTrainedTokenizerFast | None = None,
-    *,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
 ) -> DreamModel:
     """A randomly initialized native Dream (bidirectional Qwen2 with q/k/v biases and grouped-query attention, shifted
     logits) at toy sizes.
 
     Args:
-        tokenizer (`PreTrainedTokenizerFast`, *optional*):
-            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
-        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size (`int`):
-            Qwen2 sizes.
-        max_position_embeddings (`int`):
-            The context length the adapter enforces.
-        seed (`int`):
-            Seed of a private generator for the initial weights (the global RNG is left alone).
-        dtype (`torch.dtype`):
-            Parameter dtype.
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`].
+        sizes:
+            [`DreamConfig`] fields over `TINY_SIZES["llama"]`.
     """
-    return _build_tiny_model(
-        DreamModel,
-        DreamConfig,
-        tokenizer,
-        seed,
-        dtype,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        max_window_layers=num_hidden_layers,
-    )
+    return _build_tiny_model(DreamModel, tokenizer, seed, dtype, "llama", sizes)
 
 
 def build_tiny_sdar(
-    tokenizer: PreTrainedTokenizerFast | None = None,
-    *,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    head_dim: int = 16,
-    intermediate_size: int = 128,
-    block_size: int = 4,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
 ) -> SDARForCausalLM:
     """A randomly initialized native SDAR (Qwen3 with q/k norms, grouped-query attention, block-causal attention in
     blocks of `block_size`, unshifted logits) at toy sizes.
 
     Args:
-        tokenizer (`PreTrainedTokenizerFast`, *optional*):
-            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
-        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size (`int`):
-            Qwen3 sizes.
-        block_size (`int`):
-            Positions per attention block.
-        max_position_embeddings (`int`):
-            The context length the adapter enforces.
-        seed (`int`):
-            Seed of a private generator for the initial weights (the global RNG is left alone).
-        dtype (`torch.dtype`):
-            Parameter dtype.
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`].
+        sizes:
+            [`SDARConfig`] fields over `TINY_SIZES["sdar"]` (`block_size`: positions per attention block).
     """
-    return _build_tiny_model(
-        SDARForCausalLM,
-        SDARConfig,
-        tokenizer,
-        seed,
-        dtype,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        block_size=block_size,
-        max_position_embeddings=max_position_embeddings,
-        max_window_layers=num_hidden_layers,
-    )
+    return _build_tiny_model(SDARForCausalLM, tokenizer, seed, dtype, "sdar", sizes)
 
 
 def build_tiny_sdar_moe(
-    tokenizer: PreTrainedTokenizerFast | None = None,
-    *,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    head_dim: int = 16,
-    num_experts: int = 8,
-    num_experts_per_tok: int = 2,
-    moe_intermediate_size: int = 32,
-    block_size: int = 4,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
 ) -> SDARMoeForCausalLM:
     """A randomly initialized native SDAR-MoE (Qwen3-MoE: softmax top-k router, renormalized, no shared expert;
     block-causal attention) at toy sizes, its experts run by the eager kernel (the default grouped kernel refuses
     some CPU dtypes).
 
     Args:
-        tokenizer (`PreTrainedTokenizerFast`, *optional*):
-            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
-        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (`int`):
-            Attention sizes.
-        num_experts, num_experts_per_tok, moe_intermediate_size (`int`):
-            The mixture of experts of every layer.
-        block_size (`int`):
-            Positions per attention block.
-        max_position_embeddings (`int`):
-            The context length the adapter enforces.
-        seed (`int`):
-            Seed of a private generator for the initial weights (the global RNG is left alone).
-        dtype (`torch.dtype`):
-            Parameter dtype.
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`].
+        sizes:
+            [`SDARMoeConfig`] fields over `TINY_SIZES["sdar_moe"]` (`intermediate_size`, unused by the experts,
+            follows `moe_intermediate_size`).
     """
+    sizes = {**TINY_SIZES["sdar_moe"], **sizes}
     return _build_tiny_model(
         SDARMoeForCausalLM,
-        SDARMoeConfig,
         tokenizer,
         seed,
         dtype,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=4 * moe_intermediate_size,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        moe_intermediate_size=moe_intermediate_size,
-        block_size=block_size,
-        max_position_embeddings=max_position_embeddings,
-        max_window_layers=num_hidden_layers,
+        "sdar_moe",
+        sizes,
+        intermediate_size=4 * sizes["moe_intermediate_size"],
         experts_implementation="eager",
     )
 
 
 def build_tiny_llada2(
-    tokenizer: PreTrainedTokenizerFast | None = None,
-    *,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 3,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    head_dim: int = 16,
-    intermediate_size: int = 96,
-    num_experts: int = 16,
-    n_group: int = 4,
-    topk_group: int = 2,
-    num_experts_per_tok: int = 4,
-    moe_intermediate_size: int = 32,
-    block_size: int = 4,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
 ) -> LLaDA2MoeModelLM:
     """A randomly initialized native LLaDA2 (GLM-4-MoE math: a dense first layer, then sigmoid group-limited routing
     over `num_experts` in `n_group` groups with a shared expert; q/k norms, partial RoPE 0.5; block-causal attention)
@@ -371,41 +276,14 @@ def build_tiny_llada2(
     eager kernel.
 
     Args:
-        tokenizer (`PreTrainedTokenizerFast`, *optional*):
-            Fixes the vocabulary and the special ids (default: [`build_tiny_tokenizer`]).
-        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size (`int`):
-            Sizes (`intermediate_size`: the dense first layer).
-        num_experts, n_group, topk_group, num_experts_per_tok, moe_intermediate_size (`int`):
-            The mixture of experts of the other layers.
-        block_size (`int`):
-            Positions per attention block.
-        max_position_embeddings (`int`):
-            The context length the adapter enforces.
-        seed (`int`):
-            Seed of a private generator for the initial weights and the bias (the global RNG is left alone).
-        dtype (`torch.dtype`):
-            Parameter dtype.
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`] (`seed + 1` draws the bias).
+        sizes:
+            [`LLaDA2MoeConfig`] fields over `TINY_SIZES["llada2"]` (`intermediate_size`: the dense first layer).
     """
+    sizes = {**TINY_SIZES["llada2"], **sizes}
     model = _build_tiny_model(
-        LLaDA2MoeModelLM,
-        LLaDA2MoeConfig,
-        tokenizer,
-        seed,
-        dtype,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        num_experts=num_experts,
-        n_group=n_group,
-        topk_group=topk_group,
-        num_experts_per_tok=num_experts_per_tok,
-        moe_intermediate_size=moe_intermediate_size,
-        block_size=block_size,
-        max_position_embeddings=max_position_embeddings,
-        experts_implementation="eager",
+        LLaDA2MoeModelLM, tokenizer, seed, dtype, "llada2", sizes, experts_implementation="eager"
     )
     generator = torch.Generator().manual_seed(seed + 1)
     for name, buffer in model.named_buffers():
