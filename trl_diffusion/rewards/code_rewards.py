@@ -432,6 +432,7 @@ def code_reward(
     unsafe_local_execution: bool = False,
     max_consecutive_sandbox_failures: int | None = DEFAULT_MAX_CONSECUTIVE_SANDBOX_FAILURES,
     log_metric: Callable[[str, float], None] | None = None,
+    _reward_name: str = "code_reward",
     **kwargs,
 ) -> list[float | None]:
     r"""Fraction of the task's test cases that the completion's program passes (see [`run_tests`]).
@@ -495,27 +496,16 @@ def code_reward(
         max_workers,
         unsafe_local_execution,
         max_consecutive_sandbox_failures,
-        "code_reward",
+        _reward_name,
         log_metric,
     )
     return [None if run is None or run.sandbox_failed else run.pass_rate for run in runs]
 
 
-def code_solved(
-    completions: list,
-    tests: list[list[str]] | None = None,
-    test_setup: list[str] | None = None,
-    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
-    memory_limit_mb: int = DEFAULT_MEMORY_LIMIT_MB,
-    max_workers: int | None = None,
-    unsafe_local_execution: bool = False,
-    max_consecutive_sandbox_failures: int | None = DEFAULT_MAX_CONSECUTIVE_SANDBOX_FAILURES,
-    log_metric: Callable[[str, float], None] | None = None,
-    **kwargs,
-) -> list[float | None]:
+def code_solved(completions: list, **kwargs) -> list[float | None]:
     """1.0 when the completion's program passes every test case, else 0.0 (pass@1 of one sample).
 
-    Arguments are those of [`code_reward`].
+    Arguments are those of [`code_reward`]; sandbox failures are counted and logged under this function's name.
 
     Returns:
         `list[float | None]`: 1.0 or 0.0 per completion, `None` for rows without tests and where the sandbox failed
@@ -524,16 +514,6 @@ def code_solved(
     Raises:
         SandboxUnavailableError, ValueError: as [`code_reward`].
     """
-    runs = _run_completions(
-        completions,
-        tests,
-        test_setup,
-        timeout_seconds,
-        memory_limit_mb,
-        max_workers,
-        unsafe_local_execution,
-        max_consecutive_sandbox_failures,
-        "code_solved",
-        log_metric,
-    )
-    return [None if run is None or run.sandbox_failed else float(run.passed == run.total) for run in runs]
+    pass_rates = code_reward(completions, _reward_name="code_solved", **kwargs)
+    # passed / total is exactly 1.0 only when every test passed.
+    return [None if rate is None else float(rate == 1.0) for rate in pass_rates]
