@@ -11,17 +11,12 @@ from __future__ import annotations
 import datasets
 import evaluate
 
-from ..rewards import (
-    code_reward,
-    countdown_accuracy,
-    format_reward,
-    gsm8k_reward,
-    largest_digit_reward,
-    math_reward,
-    sudoku_reward,
-    sudoku_solved,
-)
-from ..rewards.code_rewards import DEFAULT_MEMORY_LIMIT_MB, DEFAULT_TIMEOUT_SECONDS
+from ..rewards.code_rewards import DEFAULT_MEMORY_LIMIT_MB, DEFAULT_TIMEOUT_SECONDS, code_reward
+from ..rewards.countdown import countdown_accuracy
+from ..rewards.format_rewards import format_reward
+from ..rewards.largest_digit import largest_digit_reward
+from ..rewards.math_rewards import gsm8k_reward, math_reward
+from ..rewards.sudoku import sudoku_reward, sudoku_solved
 
 _CITATION_D1 = """@article{zhao2025d1,
   title={d1: Scaling Reasoning in Diffusion Large Language Models via Reinforcement Learning},

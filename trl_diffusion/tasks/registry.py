@@ -9,18 +9,12 @@ from functools import partial
 import evaluate
 from datasets import Dataset
 
-from ..rewards import (
-    code_reward,
-    code_solved,
-    countdown_accuracy,
-    countdown_reward,
-    format_reward,
-    gsm8k_reward,
-    largest_digit_reward,
-    math_reward,
-    sudoku_reward,
-    sudoku_solved,
-)
+from ..rewards.code_rewards import code_reward, code_solved
+from ..rewards.countdown import countdown_accuracy, countdown_reward
+from ..rewards.format_rewards import format_reward
+from ..rewards.largest_digit import largest_digit_reward
+from ..rewards.math_rewards import gsm8k_reward, math_reward
+from ..rewards.sudoku import sudoku_reward, sudoku_solved
 from ..validation import unknown_name_message
 from .countdown import load_countdown
 from .hub import HubDatasetUnavailableError, load_gsm8k, load_humaneval, load_math, load_mbpp
