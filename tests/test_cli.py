@@ -8,6 +8,7 @@ that the two processes train exactly what one process trains on the same global 
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -571,6 +572,18 @@ def test_callback_logs_accuracy_into_log_history(tiny_llada_dir, tiny_tokenizer,
     final = evaluate_task(trainer.model, tiny_tokenizer, parity_task, num_examples=6, progress_bar=False)
     assert evaluations[-1]["eval/parity/accuracy"] == final["accuracy"]
     assert evaluations[-1]["eval/parity/reward"] == pytest.approx(final["mean_reward"])
+
+
+def test_callback_takes_evaluate_tasks_defaults_and_refuses_other_arguments(parity_task):
+    trainer = SimpleNamespace()
+    callback = TaskEvaluationCallback(trainer, parity_task, eval_every_steps=2, batch_size=4)
+    defaults = inspect.signature(evaluate_task).parameters
+    assert callback.evaluate_kwargs["batch_size"] == 4
+    for name in ("split", "num_examples", "seed"):
+        assert callback.evaluate_kwargs[name] == defaults[name].default
+    assert callback.evaluate_kwargs["generation_config"] is not None  # the task's greedy sampler
+    with pytest.raises(TypeError, match="num_exemples.*split, num_examples"):
+        TaskEvaluationCallback(trainer, parity_task, eval_every_steps=2, num_exemples=6)
 
 
 # ---------------------------------------------------------------------------------------------------- examples

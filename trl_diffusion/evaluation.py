@@ -186,6 +186,10 @@ def _left_pad(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.L
     return input_ids.to(device), attention_mask.to(device)
 
 
+# The arguments of `evaluate_task` that `TaskEvaluationCallback` passes on.
+CALLBACK_EVALUATE_ARGUMENTS = ("split", "num_examples", "generation_config", "batch_size", "seed")
+
+
 @torch.no_grad()
 def evaluate_task(
     model,
@@ -380,38 +384,34 @@ class TaskEvaluationCallback(TrainerCallback):
             A task or the name of a built-in one.
         eval_every_steps (`int`):
             Evaluate when the global step is a multiple of it (and after the last step).
-        split, num_examples, generation_config, batch_size, seed:
-            As in [`evaluate_task`] (the examples are loaded once). `generation_config` defaults to the task's
+        evaluate_kwargs:
+            `split`, `num_examples`, `generation_config`, `batch_size` and `seed`, as in [`evaluate_task`] and with its
+            defaults (the examples are loaded once). `generation_config` defaults to the task's
             greedy sampler, so the numbers match `trl-diffusion eval` on a saved checkpoint.
         progress_bar (`bool`, *optional*, defaults to `False`):
             Show a progress bar over the evaluation batches.
     """
 
-    def __init__(
-        self,
-        trainer,
-        task,
-        *,
-        eval_every_steps: int,
-        split: str = "test",
-        num_examples: int | None = 200,
-        generation_config: DiffusionGenerationConfig | None = None,
-        batch_size: int = 16,
-        seed: int = 0,
-        progress_bar: bool = False,
-    ):
+    def __init__(self, trainer, task, *, eval_every_steps: int, progress_bar: bool = False, **evaluate_kwargs):
         if eval_every_steps < 1:
             raise ValueError(f"`eval_every_steps` must be at least 1, got {eval_every_steps}.")
+        unknown = sorted(set(evaluate_kwargs) - set(CALLBACK_EVALUATE_ARGUMENTS))
+        if unknown:
+            raise TypeError(
+                f"TaskEvaluationCallback got {', '.join(unknown)}: it takes `eval_every_steps`, `progress_bar` and "
+                f"these arguments of `evaluate_task`: {', '.join(CALLBACK_EVALUATE_ARGUMENTS)}."
+            )
         self.trainer = trainer
         self.task = resolve_task(task)
         self.name = task if isinstance(task, str) else task_name(self.task)
         self.eval_every_steps = eval_every_steps
-        self.split = split
-        self.num_examples = num_examples
-        self.generation_config = generation_config or task_generation_config(self.task)
-        self.batch_size = batch_size
-        self.seed = seed
         self.progress_bar = progress_bar
+        # `evaluate_task`'s own defaults, so that the callback and `trl-diffusion eval` measure the same thing.
+        parameters = inspect.signature(evaluate_task).parameters
+        self.evaluate_kwargs = {name: parameters[name].default for name in CALLBACK_EVALUATE_ARGUMENTS}
+        self.evaluate_kwargs.update(evaluate_kwargs)
+        if self.evaluate_kwargs["generation_config"] is None:
+            self.evaluate_kwargs["generation_config"] = task_generation_config(self.task)
         self.results = None  # the last evaluation's result, records included
         self._dataset = None
         self._last_step = None
@@ -431,7 +431,9 @@ class TaskEvaluationCallback(TrainerCallback):
 
         trainer = self.trainer
         if self._dataset is None:
-            self._dataset = self.task.load(split=self.split, num_examples=self.num_examples, seed=self.seed)
+            self._dataset = self.task.load(
+                **{name: self.evaluate_kwargs[name] for name in ("split", "num_examples", "seed")}
+            )
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         args = trainer.args
         # The trained policy (not `rollout_policy`, which is LFPO's old policy): what the run would save.
@@ -440,11 +442,7 @@ class TaskEvaluationCallback(TrainerCallback):
                 model,
                 tokenizer,
                 self.task,
-                split=self.split,
-                num_examples=self.num_examples,
-                generation_config=self.generation_config,
-                batch_size=self.batch_size,
-                seed=self.seed,
+                **self.evaluate_kwargs,
                 progress_bar=self.progress_bar,
                 dataset=self._dataset,
                 adapter=getattr(trainer, "adapter", None),
