@@ -1,10 +1,9 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..trajectory import TRANSITION_SELECTIONS
 from ..validation import FieldRule, choice, number
-from .base_config import ESTIMATORS, sampler_field
-from .trajectory_config import OLD_LOGPROB_SOURCES, TrajectoryRLConfig
+from .base_config import ESTIMATORS, inherited_field, sampler_field
+from .trajectory_config import TrajectoryRLConfig
 
 # The selections whose transitions are fixed per rollout, so that look-ahead rewards can be computed for them.
 LOOKAHEAD_SELECTIONS = ("all", "top_entropy")
@@ -55,25 +54,18 @@ class AGRPOConfig(TrajectoryRLConfig):
             (`all`, `top_entropy`) and `multi_objective_aggregation="sum_then_normalize"`.
     """
 
-    transition_selection: str = field(
-        default="entropy",
-        metadata={
-            "help": "Transitions scored per completion (AGRPO: entropy-proportional Monte Carlo).",
-            "choices": list(TRANSITION_SELECTIONS),
-        },
+    transition_selection: str = inherited_field(
+        TrajectoryRLConfig, "transition_selection", "entropy", "(AGRPO: entropy-proportional Monte Carlo.)"
     )
-    num_selected_transitions: int = field(
-        default=24, metadata={"help": "Transitions drawn per completion (AGRPO: 24 Monte Carlo samples)."}
+    num_selected_transitions: int = inherited_field(
+        TrajectoryRLConfig, "num_selected_transitions", 24, "(AGRPO: 24 Monte Carlo samples.)"
     )
-    old_logprobs: str = field(
-        default="sampler",
-        metadata={"help": "Old log-probs (AGRPO: the sampler's).", "choices": list(OLD_LOGPROB_SOURCES)},
-    )
+    old_logprobs: str = inherited_field(TrajectoryRLConfig, "old_logprobs", "sampler", "(AGRPO: the sampler's.)")
     remasking: str = sampler_field("remasking", default="random", note="(AGRPO: random, so the gradient is exact.)")
-    scale_rewards: str = field(default="none", metadata={"help": "Advantage scaling (AGRPO: none)."})
-    temperature: float = field(default=0.6, metadata={"help": "Sampling temperature of the denoiser (AGRPO: 0.6)."})
-    learning_rate: float = field(default=5e-6, metadata={"help": "Initial learning rate (AGRPO: 5e-6)."})
-    weight_decay: float = field(default=0.01, metadata={"help": "Weight decay (AGRPO: 0.01)."})
+    scale_rewards: str = inherited_field(TrajectoryRLConfig, "scale_rewards", "none", "(AGRPO: none.)")
+    temperature: float = inherited_field(TrajectoryRLConfig, "temperature", 0.6, "(AGRPO: 0.6.)")
+    learning_rate: float = inherited_field(TrajectoryRLConfig, "learning_rate", 5e-6, "(AGRPO: 5e-6.)")
+    weight_decay: float = inherited_field(TrajectoryRLConfig, "weight_decay", 0.01, "(AGRPO: 0.01.)")
     estimator: str = field(
         default="package",
         metadata={

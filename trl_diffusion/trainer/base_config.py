@@ -26,14 +26,25 @@ if TYPE_CHECKING:
     from ..models import DiffusionAdapter
 
 
-def sampler_field(name: str, default=MISSING, note: str | None = None):
-    """The config field of sampler setting `name`: the default (unless `default` is given), help and choices of
-    [`DiffusionGenerationConfig`]'s field, `note` appended to the help."""
-    source = DiffusionGenerationConfig.__dataclass_fields__[name]
+def inherited_field(owner: type, name: str, default=MISSING, note: str | None = None):
+    """The field of setting `name` as `owner` (a dataclass config, or one of its bases) declares it, for a subclass
+    that changes only its default: the help and choices stay the owner's, `note` (the algorithm's value and why) is
+    appended to the help, and `default` (a list is copied for each instance) replaces the default unless it is
+    `MISSING`."""
+    source = owner.__dataclass_fields__[name]
     metadata = dict(source.metadata)
     if note:
         metadata["help"] = f"{metadata['help']} {note}"
+    if default is MISSING and source.default_factory is not MISSING:
+        return field(default_factory=source.default_factory, metadata=metadata)
+    if isinstance(default, list):  # a mutable default: each instance gets its own copy
+        return field(default_factory=default.copy, metadata=metadata)
     return field(default=source.default if default is MISSING else default, metadata=metadata)
+
+
+def sampler_field(name: str, default=MISSING, note: str | None = None):
+    """The config field of sampler setting `name`: [`DiffusionGenerationConfig`]'s (see [`inherited_field`])."""
+    return inherited_field(DiffusionGenerationConfig, name, default, note)
 
 
 def _trl_defaults(reasons: dict[str, str]) -> dict[str, tuple[tuple, str]]:
@@ -61,6 +72,24 @@ def refused_token_loss_fields(objective: str) -> dict[str, tuple[tuple, str]]:
             "router_aux_loss_coef": f"{objective} adds no Mixture-of-Experts router loss",
         }
     )
+
+
+def refused_ratio_fields(algorithm: str) -> dict[str, tuple[tuple, str]]:
+    """Entries of a config's `unsupported_fields` for TRL's clip ranges, which a ratio-free objective (LFPO, wd1)
+    has no use for: each keeps TRL's default."""
+    return _trl_defaults({"epsilon epsilon_high delta": f"{algorithm} has no likelihood ratio to clip"})
+
+
+def refused_reference_fields(algorithm: str) -> dict[str, tuple[tuple, str]]:
+    """Entries of a config's `unsupported_fields` for TRL's KL and reference-model settings, which do nothing in a
+    reference-free objective (`beta = 0`: LFPO, SPG, wd1): `use_bias_correction_kl` takes either value, the others
+    keep TRL's default."""
+    return {
+        "use_bias_correction_kl": ((True, False), f"{algorithm} has no KL term"),
+        **_trl_defaults(
+            {"sync_ref_model ref_model_mixup_alpha ref_model_sync_steps": f"{algorithm} has no reference model"}
+        ),
+    }
 
 
 # TRL's `loss_type` values (`GRPOTrainer._compute_loss` raises on any other, at the first step).

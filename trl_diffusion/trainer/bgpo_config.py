@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..validation import FieldRule, integer
+from .base_config import inherited_field
 from .sequence_elbo_config import SequenceELBOConfig
 
 
@@ -41,9 +42,8 @@ class BGPOConfig(SequenceELBOConfig):
         ),
     }
 
-    num_mc_samples: int = field(
-        default=16,
-        metadata={"help": "Monte Carlo samples of the ELBO per completion, each with its own forward and backward."},
+    num_mc_samples: int = inherited_field(
+        SequenceELBOConfig, "num_mc_samples", 16, "Each sample has its own forward and backward."
     )
     mc_samples_per_backward: int = field(
         default=1,

@@ -1,6 +1,6 @@
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .base_config import sampler_field
+from .base_config import inherited_field, sampler_field
 from .trajectory_config import TrajectoryRLConfig
 
 
@@ -23,13 +23,13 @@ class CJGRPOConfig(TrajectoryRLConfig):
     too, the default `"answer"` stops at the first terminator.
     """
 
-    epsilon: float = field(default=0.5, metadata={"help": "Clipping range of the token ratio (CJ-GRPO: 0.5)."})
-    beta: float = field(default=0.04, metadata={"help": "Coefficient of the k3 KL to the reference (CJ-GRPO: 0.04)."})
-    scale_rewards: str = field(
-        default="none", metadata={"help": "Advantage scaling (CJ-GRPO: none, A = r - mean(r))."}
+    epsilon: float = inherited_field(TrajectoryRLConfig, "epsilon", 0.5, "(CJ-GRPO: 0.5, on the token ratio.)")
+    beta: float = inherited_field(TrajectoryRLConfig, "beta", 0.04, "(CJ-GRPO: 0.04, k3 towards the reference.)")
+    scale_rewards: str = inherited_field(
+        TrajectoryRLConfig, "scale_rewards", "none", "(CJ-GRPO: none, A = r - mean(r).)"
     )
     schedule: str = sampler_field("schedule", default="ascending", note="(CJ-GRPO: ascending, 2^i tokens at step i.)")
     eos_rejection_min: float | None = sampler_field(
         "eos_rejection_min", default=0.01, note="(CJ-GRPO's training: 0.01.)"
     )
-    learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate (CJ-GRPO: 3e-6)."})
+    learning_rate: float = inherited_field(TrajectoryRLConfig, "learning_rate", 3e-6, "(CJ-GRPO: 3e-6.)")

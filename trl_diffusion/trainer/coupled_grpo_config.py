@@ -1,7 +1,7 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .base_config import DiffusionRLConfig
+from .base_config import DiffusionRLConfig, inherited_field
 
 
 @dataclass
@@ -38,21 +38,14 @@ class CoupledGRPOConfig(DiffusionRLConfig):
         default_factory=lambda: [0.2, 0.8],
         metadata={"help": "Range (low high) of the uniform timestep t of each row's complementary pair of masks."},
     )
-    loss_type: str = field(
-        default="bnpo", metadata={"help": "TRL's token-level loss aggregation (DiffuCoder: the token mean, bnpo)."}
+    loss_type: str = inherited_field(DiffusionRLConfig, "loss_type", "bnpo", "(DiffuCoder: the token mean, bnpo.)")
+    epsilon: float = inherited_field(DiffusionRLConfig, "epsilon", 0.5, "(DiffuCoder: 0.5.)")
+    beta: float = inherited_field(DiffusionRLConfig, "beta", 0.01, "(DiffuCoder: 0.01, k3.)")
+    use_bias_correction_kl: bool = inherited_field(
+        DiffusionRLConfig, "use_bias_correction_kl", False, "(DiffuCoder: no.)"
     )
-    epsilon: float = field(default=0.5, metadata={"help": "PPO clip range (DiffuCoder: 0.5)."})
-    beta: float = field(default=0.01, metadata={"help": "KL coefficient of the k3 estimator (DiffuCoder: 0.01)."})
-    use_bias_correction_kl: bool = field(
-        default=False, metadata={"help": "Multiply the k3 KL by the importance ratio (DiffuCoder: no)."}
-    )
-    scale_rewards: str = field(
-        default="none", metadata={"help": "Advantage scaling: group, batch or none (DiffuCoder: none)."}
-    )
-    leave_one_out: bool = field(
-        default=True,
-        metadata={"help": "Leave-one-out (RLOO) baseline: reward minus the mean of the other rewards of the group."},
-    )
+    scale_rewards: str = inherited_field(DiffusionRLConfig, "scale_rewards", "none", "(DiffuCoder: none.)")
+    leave_one_out: bool = inherited_field(DiffusionRLConfig, "leave_one_out", True, "(DiffuCoder: on.)")
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **DiffusionRLConfig.unsupported_fields,

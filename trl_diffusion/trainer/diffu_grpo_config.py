@@ -1,7 +1,7 @@
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-from .base_config import DiffusionRLConfig, MeanFieldConfig
+from .base_config import DiffusionRLConfig, MeanFieldConfig, inherited_field
 
 
 @dataclass
@@ -22,16 +22,12 @@ class DiffuGRPOConfig(MeanFieldConfig, DiffusionRLConfig):
             inner iteration (the same draw for the current, old and reference policies).
     """
 
-    loss_type: str = field(default="bnpo", metadata={"help": "TRL's token-level loss aggregation (d1: bnpo)."})
-    epsilon: float = field(default=0.5, metadata={"help": "PPO clip range (d1: 0.5)."})
-    beta: float = field(default=0.04, metadata={"help": "KL coefficient of the k3 estimator (d1: 0.04)."})
-    use_bias_correction_kl: bool = field(
-        default=False, metadata={"help": "Multiply the k3 KL by the importance ratio (d1: no)."}
-    )
-    scale_rewards: str = field(
-        default="none", metadata={"help": "Advantage scaling: group, batch or none (d1: none, no std division)."}
-    )
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (d1: 0.9)."})
+    loss_type: str = inherited_field(DiffusionRLConfig, "loss_type", "bnpo", "(d1: bnpo.)")
+    epsilon: float = inherited_field(DiffusionRLConfig, "epsilon", 0.5, "(d1: 0.5.)")
+    beta: float = inherited_field(DiffusionRLConfig, "beta", 0.04, "(d1: 0.04, k3.)")
+    use_bias_correction_kl: bool = inherited_field(DiffusionRLConfig, "use_bias_correction_kl", False, "(d1: no.)")
+    scale_rewards: str = inherited_field(DiffusionRLConfig, "scale_rewards", "none", "(d1: none, no std division.)")
+    temperature: float = inherited_field(DiffusionRLConfig, "temperature", 0.9, "(d1: 0.9.)")
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **DiffusionRLConfig.unsupported_fields,

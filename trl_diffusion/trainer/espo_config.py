@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..validation import FieldRule, choice
+from .base_config import inherited_field
 from .sequence_elbo_config import SequenceELBOConfig
 
 KL_ESTIMATORS = ("k2", "k1", "k3")
@@ -35,24 +36,17 @@ class ESPOConfig(SequenceELBOConfig):
             "choices": list(KL_ESTIMATORS),
         },
     )
-    leave_one_out: bool = field(
-        default=True,
-        metadata={"help": "Leave-one-out (RLOO) baseline: reward minus the mean of the other rewards (ESPO: on)."},
+    leave_one_out: bool = inherited_field(SequenceELBOConfig, "leave_one_out", True, "(ESPO: on.)")
+    mask_sampler: str = inherited_field(
+        SequenceELBOConfig, "mask_sampler", "coupled", "(ESPO: coupled antithetic pairs.)"
     )
-    mask_sampler: str = field(
-        default="coupled", metadata={"help": "How the Monte Carlo masks are drawn (ESPO: coupled antithetic pairs)."}
+    num_mc_samples: int = inherited_field(SequenceELBOConfig, "num_mc_samples", 2, "(ESPO: 2 coupled pairs.)")
+    clip_sequence_ratio: bool = inherited_field(
+        SequenceELBOConfig, "clip_sequence_ratio", True, "(ESPO: on, the per-token-normalized ratio.)"
     )
-    num_mc_samples: int = field(default=2, metadata={"help": "Monte Carlo pairs of the coupled ELBO per completion."})
-    clip_sequence_ratio: bool = field(
-        default=True, metadata={"help": "Clip the per-token-normalized sequence ratio with epsilon / epsilon_high."}
-    )
-    beta: float = field(
-        default=1e-3, metadata={"help": "KL coefficient (ESPO: 1e-3 math, 3e-3 Countdown, 1e-2 Sudoku)."}
-    )
-    num_iterations: int = field(default=8, metadata={"help": "Optimization passes over each rollout batch (mu)."})
-    scale_rewards: str = field(
-        default="none", metadata={"help": "Advantage scaling: group, batch or none (ESPO: none)."}
-    )
-    learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate (ESPO: 3e-6)."})
+    beta: float = inherited_field(SequenceELBOConfig, "beta", 1e-3, "(ESPO: 1e-3 math, 3e-3 Countdown, 1e-2 Sudoku.)")
+    num_iterations: int = inherited_field(SequenceELBOConfig, "num_iterations", 8, "(ESPO: 8.)")
+    scale_rewards: str = inherited_field(SequenceELBOConfig, "scale_rewards", "none", "(ESPO: none.)")
+    learning_rate: float = inherited_field(SequenceELBOConfig, "learning_rate", 3e-6, "(ESPO: 3e-6.)")
 
     field_rules: ClassVar[dict[str, FieldRule]] = {"kl_estimator": choice(KL_ESTIMATORS)}

@@ -2,7 +2,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..validation import FieldRule, choice, integer
-from .base_config import ESTIMATORS, DiffusionRLConfig, _trl_defaults, check_public_estimator_fields, sampler_field
+from .base_config import (
+    ESTIMATORS,
+    DiffusionRLConfig,
+    _trl_defaults,
+    check_public_estimator_fields,
+    inherited_field,
+    sampler_field,
+)
 
 # Why each sampler setting the left-to-right rollout cannot take is refused (the accepted value is the default).
 _ONE_POSITION_PER_STEP = (
@@ -74,9 +81,8 @@ class JustGRPOConfig(DiffusionRLConfig):
     )
     block_length: int = sampler_field("block_length", default=1, note="JustGRPO: 1, left to right.")
     early_stop: bool = sampler_field("early_stop", default=True, note="JustGRPO: on (exact in left-to-right order).")
-    loss_type: str = field(
-        default="dr_grpo",
-        metadata={"help": "TRL's token-level loss aggregation (JustGRPO: dr_grpo, a constant weight per token)."},
+    loss_type: str = inherited_field(
+        DiffusionRLConfig, "loss_type", "dr_grpo", "(JustGRPO: dr_grpo, a constant weight per token.)"
     )
     estimator: str = field(
         default="package",

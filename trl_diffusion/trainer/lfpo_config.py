@@ -3,7 +3,14 @@ from typing import ClassVar
 
 from ..generation import DiffusionGenerationConfig
 from ..validation import FieldRule, choice, integer, number
-from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
+from .base_config import (
+    CompletionRegionConfig,
+    DiffusionRLConfig,
+    inherited_field,
+    refused_ratio_fields,
+    refused_reference_fields,
+    refused_token_loss_fields,
+)
 
 LFPO_VARIANTS = ("all", "positive", "negative")
 LFPO_STATE_SOURCES = ("trajectory", "forward")
@@ -86,32 +93,24 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
     )
     ema_alpha_rate: float = field(default=1e-3, metadata={"help": "Growth of the scheduled EMA coefficient per step."})
     ema_alpha_max: float = field(default=0.5, metadata={"help": "Cap of the scheduled EMA coefficient."})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (LFPO: 0.01)."})
-    warmup_steps: float = field(
-        default=0.1,
-        metadata={"help": "Linear warm-up: optimizer steps, or a fraction of them below 1 (LFPO: 0.1 of the run)."},
-    )
+    weight_decay: float = inherited_field(DiffusionRLConfig, "weight_decay", 0.01, "(LFPO: 0.01.)")
+    warmup_steps: float = inherited_field(DiffusionRLConfig, "warmup_steps", 0.1, "(LFPO: 0.1 of the run.)")
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **DiffusionRLConfig.unsupported_fields,
         **refused_token_loss_fields("LFPO's contrastive loss"),
+        **refused_ratio_fields("LFPO"),
+        **refused_reference_fields("LFPO"),
         "beta": (
             (0.0,),
             "LFPO estimates no likelihood, so TRL's KL penalty does not apply; the contrastive step size is "
             "`contrastive_beta`",
         ),
-        "epsilon": ((0.2,), "LFPO has no likelihood ratio to clip"),
-        "epsilon_high": ((None,), "LFPO has no likelihood ratio to clip"),
-        "delta": ((None,), "LFPO has no likelihood ratio to clip"),
         "off_policy_mask_threshold": (
             (None,),
             "LFPO estimates no likelihood, hence no KL to the old policy to mask on",
         ),
-        # With `beta` 0 there is no KL term and no reference model: TRL's settings of both do nothing.
-        "use_bias_correction_kl": ((True, False), "LFPO has no KL term"),
         "sync_ref_model": ((False,), "LFPO has no reference model (its old policy is an EMA: `ema_alpha`)"),
-        "ref_model_mixup_alpha": ((0.6,), "LFPO has no reference model"),
-        "ref_model_sync_steps": ((512,), "LFPO has no reference model"),
     }
 
     field_rules: ClassVar[dict[str, FieldRule]] = {

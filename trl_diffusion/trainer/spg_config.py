@@ -1,9 +1,8 @@
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..masking import ELBO_REGIONS, LENGTH_NORMS, SAMPLERS
 from ..validation import FieldRule, choice, number
-from .base_config import ESTIMATORS, check_public_estimator_fields
+from .base_config import ESTIMATORS, check_public_estimator_fields, inherited_field, refused_reference_fields
 from .sequence_elbo_config import SequenceELBOConfig
 
 NEGATIVE_BOUNDS = ("mix", "eubo", "elbo", "none")
@@ -66,30 +65,13 @@ class SPGConfig(SequenceELBOConfig):
     eubo_mix_weight: float = field(
         default=0.5, metadata={"help": "Weight omega of the upper bound in the `mix` proxy (SPG: 0.5)."}
     )
-    mask_sampler: str = field(
-        default="block",
-        metadata={"help": "How the Monte Carlo views are drawn (SPG: block-wise masking).", "choices": list(SAMPLERS)},
-    )
-    num_mc_samples: int = field(default=2, metadata={"help": "Monte Carlo views per completion (SPG: 2)."})
-    elbo_region: str = field(
-        default="answer",
-        metadata={
-            "help": "Positions masked and scored (SPG: the answer up to its terminator).",
-            "choices": list(ELBO_REGIONS),
-        },
-    )
-    length_norm: str = field(
-        default="answer",
-        metadata={
-            "help": "Divisor of the ELBO: none, canvas (L) or answer (SPG: answer).",
-            "choices": list(LENGTH_NORMS),
-        },
-    )
-    scale_rewards: str = field(
-        default="none", metadata={"help": "Advantage scaling: group, batch or none (SPG: none, A = r - mean(r))."}
-    )
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (SPG: 0.9)."})
-    learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate (SPG: 3e-6)."})
+    mask_sampler: str = inherited_field(SequenceELBOConfig, "mask_sampler", "block", "(SPG: block-wise masking.)")
+    num_mc_samples: int = inherited_field(SequenceELBOConfig, "num_mc_samples", 2, "(SPG: 2.)")
+    elbo_region: str = inherited_field(SequenceELBOConfig, "elbo_region", "answer", "(SPG: the answer.)")
+    length_norm: str = inherited_field(SequenceELBOConfig, "length_norm", "answer", "(SPG: answer.)")
+    scale_rewards: str = inherited_field(SequenceELBOConfig, "scale_rewards", "none", "(SPG: none, A = r - mean(r).)")
+    temperature: float = inherited_field(SequenceELBOConfig, "temperature", 0.9, "(SPG: 0.9.)")
+    learning_rate: float = inherited_field(SequenceELBOConfig, "learning_rate", 3e-6, "(SPG: 3e-6.)")
     estimator: str = field(
         default="package",
         metadata={
@@ -102,13 +84,10 @@ class SPGConfig(SequenceELBOConfig):
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **SequenceELBOConfig.unsupported_fields,
+        **refused_reference_fields("SPG"),
         "beta": ((0.0,), "SPG is reference-free (its code refuses a KL term): the bounds are its whole objective"),
         "clip_sequence_ratio": ((False,), "SPG is REINFORCE on likelihood bounds: there is no ratio to clip"),
         "off_policy_mask_threshold": ((None,), "SPG computes no old-policy likelihood to mask on"),
-        "use_bias_correction_kl": ((True, False), "SPG has no KL term"),
-        "sync_ref_model": ((False,), "SPG has no reference model"),
-        "ref_model_mixup_alpha": ((0.6,), "SPG has no reference model"),
-        "ref_model_sync_steps": ((512,), "SPG has no reference model"),
     }
 
     # With `estimator="public"`: name -> (the accepted values, why the public code's objective has no place for

@@ -1,6 +1,7 @@
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .trajectory_config import KL_TARGETS, TRANSITION_REDUCTIONS, TrajectoryRLConfig
+from .base_config import inherited_field
+from .trajectory_config import TrajectoryRLConfig
 
 
 @dataclass
@@ -22,26 +23,14 @@ class TraceRLConfig(TrajectoryRLConfig):
     one); TRL's gradient accumulation replaces TraceRL's hand-written loop.
     """
 
-    transition_grouping: int = field(
-        default=8, metadata={"help": "Consecutive denoising steps per transition (TraceRL's shrinkage s: 8)."}
+    transition_grouping: int = inherited_field(TrajectoryRLConfig, "transition_grouping", 8, "(TraceRL: 8.)")
+    kl_target: str = inherited_field(TrajectoryRLConfig, "kl_target", "old", "(TraceRL: the old policy.)")
+    beta: float = inherited_field(TrajectoryRLConfig, "beta", 0.01, "(TraceRL: 0.01, k3.)")
+    transition_reduction: str = inherited_field(
+        TrajectoryRLConfig,
+        "transition_reduction",
+        "transition",
+        "(TraceRL: token mean per transition, mean over transitions.)",
     )
-    kl_target: str = field(
-        default="old",
-        metadata={
-            "help": "Policy the beta term pulls towards (TraceRL: the old policy).",
-            "choices": list(KL_TARGETS),
-        },
-    )
-    beta: float = field(default=0.01, metadata={"help": "Coefficient of the k3 KL (TraceRL: 0.01)."})
-    transition_reduction: str = field(
-        default="transition",
-        metadata={
-            "help": "How token losses add up (TraceRL: token mean per transition, mean over transitions).",
-            "choices": list(TRANSITION_REDUCTIONS),
-        },
-    )
-    pass_rate_range: list[float] | None = field(
-        default_factory=lambda: [0.2, 0.8],
-        metadata={"help": "[low, high]: prompts whose group pass rate lies outside are left out (TraceRL 0.2 0.8)."},
-    )
-    temperature: float = field(default=0.8, metadata={"help": "Sampling temperature of the denoiser (TraceRL: 0.8)."})
+    pass_rate_range: list[float] | None = inherited_field(TrajectoryRLConfig, "pass_rate_range", [0.2, 0.8])
+    temperature: float = inherited_field(TrajectoryRLConfig, "temperature", 0.8, "(TraceRL: 0.8.)")

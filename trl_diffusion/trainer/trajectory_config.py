@@ -8,7 +8,7 @@ from ..generation import DiffusionGenerationConfig
 from ..masking import ELBO_REGIONS
 from ..trajectory import MONTE_CARLO_SELECTIONS, TRANSITION_SELECTIONS
 from ..validation import FieldRule, choice, integer, number
-from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
+from .base_config import CompletionRegionConfig, DiffusionRLConfig, inherited_field, refused_token_loss_fields
 
 if TYPE_CHECKING:
     from ..models import DiffusionAdapter
@@ -156,9 +156,8 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
     transitions_per_forward: int = field(
         default=8, metadata={"help": "(completion, transition) states per forward and backward."}
     )
-    use_bias_correction_kl: bool = field(
-        default=False,
-        metadata={"help": "Multiply the per-token k3 KL by the token ratio (TraceRL, CJ-GRPO, EGSPO: no)."},
+    use_bias_correction_kl: bool = inherited_field(
+        DiffusionRLConfig, "use_bias_correction_kl", False, "(TraceRL, CJ-GRPO, EGSPO: no.)"
     )
     elbo_region: str = field(
         default="answer",

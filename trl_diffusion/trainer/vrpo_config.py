@@ -1,5 +1,6 @@
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .base_config import inherited_field
 from .sequence_elbo_config import SequenceELBOConfig
 
 
@@ -16,7 +17,6 @@ class VRPOConfig(SequenceELBOConfig):
             for one backward, so activation memory grows linearly with n_t: use [`BGPOConfig`] for many samples.
     """
 
-    num_mc_samples: int = field(
-        default=4,
-        metadata={"help": "Monte Carlo samples of the ELBO per completion; activation memory grows linearly with it."},
+    num_mc_samples: int = inherited_field(
+        SequenceELBOConfig, "num_mc_samples", 4, "Activation memory grows linearly with it."
     )

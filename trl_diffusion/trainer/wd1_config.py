@@ -2,7 +2,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..validation import FieldRule, number
-from .base_config import DiffusionRLConfig, MeanFieldConfig, refused_token_loss_fields
+from .base_config import (
+    DiffusionRLConfig,
+    MeanFieldConfig,
+    inherited_field,
+    refused_ratio_fields,
+    refused_reference_fields,
+    refused_token_loss_fields,
+)
 
 
 @dataclass
@@ -33,27 +40,19 @@ class WD1Config(MeanFieldConfig, DiffusionRLConfig):
         default=1.0,
         metadata={"help": "Inverse temperature of the weights softmax(psi * A) and softmax(-psi * A) over a group."},
     )
-    scale_rewards: str = field(
-        default="none", metadata={"help": "Advantage scaling: group, batch or none (wd1: none, A = r - mean(r))."}
-    )
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of the denoiser (wd1: 0.9)."})
+    scale_rewards: str = inherited_field(DiffusionRLConfig, "scale_rewards", "none", "(wd1: none, A = r - mean(r).)")
+    temperature: float = inherited_field(DiffusionRLConfig, "temperature", 0.9, "(wd1: 0.9.)")
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
         **DiffusionRLConfig.unsupported_fields,
         **refused_token_loss_fields("wd1's weighted likelihood"),
+        **refused_ratio_fields("wd1"),
+        **refused_reference_fields("wd1"),
         "beta": (
             (0.0,),
             "wd1 is ratio-free and reference-free (the paper's beta = 0): its weights come from the advantages only",
         ),
-        "epsilon": ((0.2,), "wd1 has no likelihood ratio to clip"),
-        "epsilon_high": ((None,), "wd1 has no likelihood ratio to clip"),
-        "delta": ((None,), "wd1 has no likelihood ratio to clip"),
         "off_policy_mask_threshold": ((None,), "wd1 computes no old-policy likelihood to mask on"),
-        # With `beta` 0 there is no KL term and no reference model: TRL's settings of both do nothing.
-        "use_bias_correction_kl": ((True, False), "wd1 has no KL term"),
-        "sync_ref_model": ((False,), "wd1 has no reference model"),
-        "ref_model_mixup_alpha": ((0.6,), "wd1 has no reference model"),
-        "ref_model_sync_steps": ((512,), "wd1 has no reference model"),
     }
     field_rules: ClassVar[dict[str, FieldRule]] = {
         "psi": number(0, low_inclusive=False, note="the inverse temperature of the weights"),
