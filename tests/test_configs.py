@@ -227,7 +227,7 @@ SPECS = {
             kl_estimator="k2",
             loss_type=GRPO_DEFAULTS["loss_type"],
         ),
-        values={"beta": 0.01, "length_norm": "canvas"},
+        values={"beta": 0.01, "length_norm": "canvas", "elbo_region": "canvas", "mask_sampler": "stratified"},
     ),
     LFPOConfig: Spec(
         parent=DiffusionRLConfig,
