@@ -414,6 +414,24 @@ def test_resume_inside_a_rollout_round_is_exact(sdar_dir, tmp_path):
     assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
 
 
+def test_on_policy_replay_equals_the_one_graph_loss(sdar_dir, tmp_path):
+    """On-policy (no stored old terms, no KL), the replayed training step has the value `-mean(A) / GA` and the
+    gradient of the loss computed with every timestep's graph kept (VRPO's `_compute_loss`) on the same masks."""
+    trainer = tiny_trainer(EBPOTrainer, sdar_dir, ebpo_args(tmp_path, num_mc_samples=3))
+    inputs = rollout_batch(trainer)
+    inputs["advantages"] = ADVANTAGES.clone()
+    assert "old_elbo_terms" not in inputs
+    model = trainer.model
+    one_graph = trainer._compute_loss(model, inputs)
+    one_graph.backward()
+    expected = gradients(model, clear=True)
+    trainer._prepare_inputs = lambda batch: batch
+    loss = trainer.training_step(model, inputs)
+    torch.testing.assert_close(loss, -ADVANTAGES.mean(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, one_graph.detach(), rtol=1e-6, atol=1e-7)
+    assert_same_gradients(gradients(model, clear=True), expected, rtol=1e-5, atol=1e-6, label="on-policy")
+
+
 def test_memory_is_flat_in_the_number_of_timesteps(sdar_dir, tmp_path):
     """Peak bytes saved for backward in one training step: N = 8 timesteps within 10% of N = 1 (one graph live at a
     time), on the same rollouts."""
