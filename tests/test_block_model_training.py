@@ -1,6 +1,6 @@
-"""The trainers on the block-diffusion families (issue 14, item 5): DiffuGRPO, VRPO, BGPO, ESPO, LFPO and SFT train a
-tiny SDAR, a tiny SDAR-MoE and a tiny LLaDA2 end to end, with full fine-tuning and with the family's LoRA rule; and on
-the block models, on-policy BGPO equals VRPO in value and gradient, as on LLaDA."""
+"""The trainers on the block-diffusion families (issue 14, item 5): DiffuGRPO, VRPO, BGPO, ESPO, EBPO, LFPO and SFT
+train a tiny SDAR, a tiny SDAR-MoE and a tiny LLaDA2 end to end, with full fine-tuning and with the family's LoRA
+rule; and on the block models, on-policy BGPO equals VRPO in value and gradient, as on LLaDA."""
 
 import math
 
@@ -35,7 +35,7 @@ from helpers import (
 )
 
 FAMILIES = {"sdar": build_tiny_sdar, "sdar_moe": build_tiny_sdar_moe, "llada2": build_tiny_llada2}
-RL_TRAINERS = ("diffu_grpo", "vrpo", "bgpo", "espo", "lfpo")
+RL_TRAINERS = ("diffu_grpo", "vrpo", "bgpo", "espo", "ebpo", "lfpo")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def family_lora(model_dir):
 
 def rl_args(name, output_dir, **overrides):
     settings = dict(beta=0.0, max_steps=2, gradient_checkpointing=True)
-    if name in ("vrpo", "bgpo", "espo"):
+    if name in ("vrpo", "bgpo", "espo", "ebpo"):
         settings["num_mc_samples"] = 2
     if name == "lfpo":
         settings["lfpo_num_states"] = 2

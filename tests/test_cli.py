@@ -607,6 +607,7 @@ EXAMPLES = {
     "just_grpo_gsm8k": "just_grpo",
     "spg_countdown": "spg",
     "bgpo_sdar_countdown": "bgpo",
+    "ebpo_sdar_countdown": "ebpo",
     "trace_rl_gsm8k": "trace_rl",
     "cj_grpo_sudoku": "cj_grpo",
     "agrpo_sudoku": "agrpo",
@@ -775,6 +776,19 @@ def test_sdar_example_runs_one_step(tiny_tokenizer, tmp_path):
     argv += [*TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16", "--max_steps", "1"]
     argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mc_samples", "2"]
     assert run_recipe("bgpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_ebpo_example_runs_one_step(tiny_tokenizer, tmp_path):
+    """DARE's SDAR EBPO recipe on a tiny SDAR (blocks of 4: the canvas's blocks set to the model's)."""
+    from trl_diffusion.models import build_tiny_sdar
+
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-sdar")
+    module = load_example("ebpo_sdar_countdown")
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path / "run")]
+    argv += [*TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16", "--max_steps", "1"]
+    argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mc_samples", "2"]
+    assert run_recipe("ebpo", module.RECIPE, argv) == 0
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 

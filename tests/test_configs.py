@@ -21,6 +21,7 @@ from trl_diffusion.trainer import (
     DiffuGRPOConfig,
     DiffusionRLConfig,
     DiffusionSFTConfig,
+    EBPOConfig,
     ESPOConfig,
     JustGRPOConfig,
     LFPOConfig,
@@ -204,6 +205,29 @@ SPECS = {
         ),
         # Flipped: leave_one_out and clip_sequence_ratio (to False).
         values={"beta": 0.01, "mask_sampler": "stratified"},
+    ),
+    # EBPO (DARE's recipe): ESPO's objective, the per-block sampler, unnormalized ratio, no KL, GRPO's advantages.
+    EBPOConfig: Spec(
+        parent=ESPOConfig,
+        changes=frozenset({"mask_sampler", "num_mc_samples", "elbo_region", "length_norm", "beta", "num_iterations"})
+        | {"scale_rewards", "leave_one_out", "learning_rate"},
+        defaults=dict(
+            mask_sampler="stratified_blocks",
+            num_mc_samples=16,
+            elbo_region="answer",
+            length_norm="none",
+            clip_sequence_ratio=True,
+            epsilon=0.2,
+            epsilon_high=None,
+            beta=0.0,
+            num_iterations=1,
+            scale_rewards="group",
+            leave_one_out=False,
+            learning_rate=5e-7,
+            kl_estimator="k2",
+            loss_type=GRPO_DEFAULTS["loss_type"],
+        ),
+        values={"beta": 0.01, "length_norm": "canvas", "elbo_region": "canvas", "mask_sampler": "stratified"},
     ),
     LFPOConfig: Spec(
         parent=DiffusionRLConfig,

@@ -22,7 +22,9 @@ QUADRATURE_RULES = {
     "gauss_2": ((0.5 - 0.5 / math.sqrt(3.0), 0.5 + 0.5 / math.sqrt(3.0)), (0.5, 0.5)),
     "gauss_3": ((0.5 - 0.5 * math.sqrt(0.6), 0.5, 0.5 + 0.5 * math.sqrt(0.6)), (5 / 18, 8 / 18, 5 / 18)),
 }
-SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t", *QUADRATURE_RULES, "block")
+SAMPLERS = ("stratified", "coupled", "uniform_t", "stratified_t", *QUADRATURE_RULES, "block", "stratified_blocks")
+# Samplers whose term j masks an exact number of positions per block, a uniform subset of that size.
+COUNT_SAMPLERS = ("stratified", "coupled", "stratified_blocks")
 ELBO_REGIONS = ("canvas", "answer")
 LENGTH_NORMS = ("none", "canvas", "answer")
 
@@ -182,6 +184,33 @@ def stratified_timesteps(num_mc_samples: int, u: float, eps: float) -> list[floa
     return [eps + (1.0 - eps) * (u + j) / num_mc_samples for j in range(num_mc_samples)]
 
 
+def stratified_block_counts(sizes: torch.LongTensor, num_mc_samples: int, u: float) -> torch.LongTensor:
+    """Mask sizes of the `stratified_blocks` sampler (LLaDA2.1's EBPO, as DARE draws it): the `num_mc_samples * K`
+    cells (sample j, block b) of a completion's K blocks share one offset `u` and an even stride, cell `c = j*K + b`
+    at noise level `t_c = (u + c / (num_mc_samples * K)) mod 1`, and block b of size n_b masks
+    `l_{j,b} = min(floor(t_c * n_b) + 1, n_b)` positions. With `u ~ U[0, 1)` every `t_c` is marginally uniform, so every
+    `l_{j,b}` is marginally uniform over `{1..n_b}` and each cell's term `(n_b / l_{j,b}) * S_b(M)` is an unbiased
+    estimate of the block's ELBO B_b; the levels are stratified over all the cells at once (within a block they are
+    `1 / num_mc_samples` apart, across the blocks of a sample `1 / (num_mc_samples * K)`).
+
+    Args:
+        sizes (`torch.LongTensor` of shape `(K,)`):
+            Region positions n_b of each block, each at least 1.
+        num_mc_samples (`int`):
+            Number of Monte Carlo samples.
+        u (`float`):
+            The completion's offset in `[0, 1)`.
+
+    Returns:
+        `torch.LongTensor` of shape `(num_mc_samples, K)`.
+    """
+    num_blocks = sizes.numel()
+    cells = torch.arange(num_mc_samples * num_blocks, dtype=torch.float64).view(num_mc_samples, num_blocks)
+    levels = (u + cells / (num_mc_samples * num_blocks)) % 1.0
+    # The min guards a level that rounds to 1.0 in float64; in exact arithmetic floor(t * n_b) < n_b.
+    return torch.minimum((levels * sizes).floor().long() + 1, sizes)
+
+
 def term_weights(sampler: str, n: int, draw: float) -> tuple[float, float]:
     """Weights of one Monte Carlo term `w * S(M) + w_c * S(R \\ M)`.
 
@@ -320,14 +349,19 @@ def _per_block_draws(
     uniform key per position: a count sampler masks the `l_{b,j}` positions of smallest key in block b (a uniform
     subset of that size), a timestep sampler the positions of key below `t_{b,j}`. So the blocks draw independently,
     each by the sampler's own rules (sizes from [`stratified_counts`] / [`coupled_counts`], timesteps
-    [`stratified_timesteps`], weights [`term_weights`] for the block's n_b).
+    [`stratified_timesteps`], weights [`term_weights`] for the block's n_b). `stratified_blocks` is the exception:
+    its blocks share one offset ([`stratified_block_counts`]).
     """
     sizes = torch.bincount(block_index)  # n_b
     num_blocks = sizes.numel()
     samples = torch.arange(num_mc_samples)[:, None]  # (n_t, 1) against (K,) per block
     generator = keyed_generator(seed, iteration, MASK_BLOCKS)
     uniforms = torch.rand(num_blocks, num_mc_samples, generator=generator, dtype=torch.float64)
-    if sampler in ("stratified", "coupled"):
+    if sampler == "stratified_blocks":
+        counts = stratified_block_counts(sizes, num_mc_samples, float(uniforms[0, 0]))
+        weights = sizes.double() / counts
+        complement_weights = torch.zeros_like(weights)
+    elif sampler in ("stratified", "coupled"):
         span = sizes if sampler == "stratified" else sizes + 1  # the sizes l range over span values
         offsets = (uniforms[:, 0] * span).long().clamp(max=span - 1)  # uniform over 0..span-1 (the clamp: rounding)
         counts = (offsets + samples * span // num_mc_samples) % span + (1 if sampler == "stratified" else 0)
@@ -358,7 +392,7 @@ def _per_block_draws(
             generator=keyed_generator(seed, iteration, MASK_SAMPLE, MASK_BLOCKS, mc_index),
             dtype=torch.float64,
         )
-        if sampler in ("stratified", "coupled"):
+        if sampler in COUNT_SAMPLERS:
             # Rank of each position's key within its block: sort by (block, key), then subtract the block's start.
             order = torch.argsort(block_index.double() * 2 + keys)
             ranks = torch.empty_like(order)
@@ -444,6 +478,9 @@ def sample_masks(
       Gauss-Legendre nodes t_k, weight K a_k / t_k; `num_mc_samples` a multiple of the nodes.
     - `block`: SPG's block-wise masking ([`block_views`]): one block scored per term, the earlier blocks clean, the
       later ones masked as context, weight `K * n_b / l`; needs `block_length`.
+    - `stratified_blocks`: LLaDA2.1's EBPO ([`stratified_block_counts`]): one offset per completion for every
+      (sample, block) cell, `l_{j,b} = floor(t_{j,b} * n_b) + 1` positions of block b masked, weight `n_b / l_{j,b}`
+      per position; always drawn per block (without `blocks`, the region is one block).
 
     With `blocks` (a block-causal model, whose likelihood is the block ELBO `sum_b B_b`, each block given the clean
     earlier ones), every sampler but `block` draws per block: the region positions of each attention block are a
@@ -491,7 +528,7 @@ def sample_masks(
 
     region_cpu = region.detach().to("cpu", torch.bool)
     blocks_cpu = None if blocks is None else blocks.detach().to("cpu")
-    per_block = blocks is not None and sampler != "block"
+    per_block = (blocks is not None and sampler != "block") or sampler == "stratified_blocks"
     batch_size, completion_length = region_cpu.shape
     masks = torch.zeros(batch_size, num_mc_samples, completion_length, dtype=torch.bool)
     # float32 like the log-probs they scale (and usable on devices without float64); per position when per block.
@@ -521,7 +558,10 @@ def sample_masks(
                 masks[row, mc_index, chosen] = True
                 weights[row, mc_index], complement_weights[row, mc_index] = weight, complement_weight
             continue
-        _, block_index = torch.unique(blocks_cpu[row, positions], return_inverse=True)
+        if blocks_cpu is None:
+            block_index = torch.zeros_like(positions)
+        else:
+            _, block_index = torch.unique(blocks_cpu[row, positions], return_inverse=True)
         chosen, position_weights, position_complement_weights = _per_block_draws(
             sampler, block_index, num_mc_samples, eps, seed, iteration
         )

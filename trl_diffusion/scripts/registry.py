@@ -34,6 +34,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "espo_trainer.ESPOTrainer",
         "ESPO: coupled ELBO, clipped sequence ratio, k2 KL",
     ),
+    "ebpo": (
+        "ebpo_config.EBPOConfig",
+        "ebpo_trainer.EBPOTrainer",
+        "EBPO (LLaDA2.1): block ELBO of a block-causal model, clipped sequence ratio, one backward per timestep",
+    ),
     "lfpo": (
         "lfpo_config.LFPOConfig",
         "lfpo_trainer.LFPOTrainer",

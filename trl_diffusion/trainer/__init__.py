@@ -13,6 +13,8 @@ from .coupled_grpo_config import CoupledGRPOConfig
 from .coupled_grpo_trainer import CoupledGRPOTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
+from .ebpo_config import EBPOConfig
+from .ebpo_trainer import EBPOTrainer
 from .espo_config import ESPOConfig
 from .espo_trainer import ESPOTrainer
 from .just_grpo_config import JustGRPOConfig

@@ -522,7 +522,7 @@ class DiffusionRLTrainer(
             if enabled:
                 raise ValueError(
                     f"{feature} is not supported by the trainers that back-propagate their loss part by part (BGPO, "
-                    "LFPO): their training step runs one backward per part. Turn it off (see docs/scaling.md)."
+                    "EBPO, LFPO): their training step runs one backward per part. Turn it off (see docs/scaling.md)."
                 )
 
     # ------------------------------------------------------------------ rollouts

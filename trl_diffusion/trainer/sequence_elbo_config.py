@@ -23,7 +23,8 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
             semi-deterministic quadrature over the masking rate, `gauss_2` / `gauss_3` (2 or 3 Gauss-Legendre nodes,
             `num_mc_samples` a multiple of them; biased, see docs/likelihood.md), or SPG's block-wise masking,
             `block` (one block of `block_length` scored per sample, earlier blocks clean, later ones masked: the
-            ELBO of block-by-block decoding).
+            ELBO of block-by-block decoding), or EBPO's `stratified_blocks` (every block masked in every sample,
+            the sizes stratified over all (sample, block) cells from one offset).
         elbo_region (`str`, *optional*, defaults to `"canvas"`):
             Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
             including the first terminator).
