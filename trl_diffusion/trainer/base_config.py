@@ -26,20 +26,29 @@ if TYPE_CHECKING:
     from ..models import DiffusionAdapter
 
 
+# The owner's metadata of each field `inherited_field` made, so that a subclass's note replaces its parent's note
+# instead of being appended to it.
+_OWNER_METADATA: dict = {}
+
+
 def inherited_field(owner: type, name: str, default=MISSING, note: str | None = None):
     """The field of setting `name` as `owner` (a dataclass config, or one of its bases) declares it, for a subclass
     that changes only its default: the help and choices stay the owner's, `note` (the algorithm's value and why) is
     appended to the help, and `default` (a list is copied for each instance) replaces the default unless it is
     `MISSING`."""
     source = owner.__dataclass_fields__[name]
-    metadata = dict(source.metadata)
+    owner_metadata = _OWNER_METADATA.get(source, source.metadata)
+    metadata = dict(owner_metadata)
     if note:
         metadata["help"] = f"{metadata['help']} {note}"
     if default is MISSING and source.default_factory is not MISSING:
-        return field(default_factory=source.default_factory, metadata=metadata)
-    if isinstance(default, list):  # a mutable default: each instance gets its own copy
-        return field(default_factory=default.copy, metadata=metadata)
-    return field(default=source.default if default is MISSING else default, metadata=metadata)
+        made = field(default_factory=source.default_factory, metadata=metadata)
+    elif isinstance(default, list):  # a mutable default: each instance gets its own copy
+        made = field(default_factory=default.copy, metadata=metadata)
+    else:
+        made = field(default=source.default if default is MISSING else default, metadata=metadata)
+    _OWNER_METADATA[made] = owner_metadata
+    return made
 
 
 def sampler_field(name: str, default=MISSING, note: str | None = None):

@@ -1,5 +1,6 @@
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .base_config import inherited_field
 from .espo_config import ESPOConfig
 
 
@@ -40,27 +41,16 @@ class EBPOConfig(ESPOConfig):
     0.6 for LLaDA2-mini; `block_length` must be the model's block size (4 for SDAR, 32 for LLaDA2).
     """
 
-    mask_sampler: str = field(
-        default="stratified_blocks",
-        metadata={"help": "How the Monte Carlo masks are drawn (EBPO: one offset over every (sample, block) cell)."},
+    mask_sampler: str = inherited_field(
+        ESPOConfig, "mask_sampler", "stratified_blocks", "(EBPO: one offset over every (sample, block) cell.)"
     )
-    num_mc_samples: int = field(
-        default=16,
-        metadata={"help": "Timesteps of the composite block ELBO per completion, each with its own backward."},
+    num_mc_samples: int = inherited_field(
+        ESPOConfig, "num_mc_samples", 16, "(EBPO: 16 timesteps of the composite block ELBO, each its own backward.)"
     )
-    elbo_region: str = field(
-        default="answer",
-        metadata={"help": "Positions masked and scored (EBPO: the answer up to its first terminator)."},
-    )
-    length_norm: str = field(
-        default="none", metadata={"help": "Divisor of ELBO differences (EBPO: none, the unnormalized log-ratio)."}
-    )
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (EBPO's recipe: no KL)."})
-    num_iterations: int = field(default=1, metadata={"help": "Optimization passes over each rollout batch (mu)."})
-    scale_rewards: str = field(
-        default="group", metadata={"help": "Advantage scaling: group, batch or none (EBPO: group, GRPO's)."}
-    )
-    leave_one_out: bool = field(
-        default=False, metadata={"help": "Leave-one-out (RLOO) baseline (EBPO: off, the group mean)."}
-    )
-    learning_rate: float = field(default=5e-7, metadata={"help": "Initial learning rate (EBPO's recipe: 5e-7)."})
+    elbo_region: str = inherited_field(ESPOConfig, "elbo_region", "answer", "(EBPO: the answer.)")
+    length_norm: str = inherited_field(ESPOConfig, "length_norm", "none", "(EBPO: none, the unnormalized log-ratio.)")
+    beta: float = inherited_field(ESPOConfig, "beta", 0.0, "(EBPO's recipe: no KL.)")
+    num_iterations: int = inherited_field(ESPOConfig, "num_iterations", 1, "(EBPO: 1.)")
+    scale_rewards: str = inherited_field(ESPOConfig, "scale_rewards", "group", "(EBPO: group, GRPO's.)")
+    leave_one_out: bool = inherited_field(ESPOConfig, "leave_one_out", False, "(EBPO: off, the group mean.)")
+    learning_rate: float = inherited_field(ESPOConfig, "learning_rate", 5e-7, "(EBPO's recipe: 5e-7.)")
