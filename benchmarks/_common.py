@@ -24,8 +24,9 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, build_tiny_llada, build_tiny_tokenizer
+from trl_diffusion.models import LLaDAModelLM, build_tiny_llada, build_tiny_tokenizer
 from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.tasks import get_task
 
@@ -106,15 +107,18 @@ def random_model_dir(args: argparse.Namespace, scratch: Path, size: ModelSize) -
 
 
 def model_description(model_dir: Path) -> dict:
-    """Sizes and parameter count of a saved LLaDA, from its config (no weights loaded)."""
-    config = LLaDAConfig.from_pretrained(model_dir)
+    """Sizes and parameter count of a saved model of any package family, from its config (no weights loaded); a
+    LLaDA's sizes under their published names."""
+    config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = LLaDAModelLM(config)
+        model = AutoModelForCausalLM.from_config(config)
+    if config.model_type == "llada":
+        sizes = ("d_model", "n_layers", "n_heads", "mlp_hidden_size")
+    else:
+        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "block_size")
     return {
-        "d_model": config.d_model,
-        "n_layers": config.n_layers,
-        "n_heads": config.n_heads,
-        "mlp_hidden_size": config.mlp_hidden_size,
+        **({} if config.model_type == "llada" else {"model_type": config.model_type}),
+        **{name: getattr(config, name) for name in sizes if hasattr(config, name)},
         "vocab_size": config.vocab_size,
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
     }

@@ -28,6 +28,11 @@ AGRPO's take the settings their configs require with it (no KL and no early stop
 for AGRPO).
 
 `--canvas L B` SFTs, trains and evaluates on a canvas of L tokens in blocks of B (default: the task's 4 and 4).
+`--model_family sdar` (or `sdar_moe`, `llada2`) starts every run from the demo's tiny block-causal model instead
+of its LLaDA; EBPO, which needs one, runs only there:
+
+    python benchmarks/learning.py --model_family sdar --trainers bgpo ebpo --canvas 8 4 --name learning_block_models
+
 `--rollouts fast` decodes the training rollouts with the sampler's speed-ups (`FAST_ROLLOUTS`: early stop,
 threshold 0.9, the dual cache when there are several blocks, else the prefix cache); held-out accuracy is always the
 plain greedy decoding, so that the two settings are compared on the model they train, not on their sampler.
@@ -71,11 +76,14 @@ TRAJECTORY_TRAINERS = ("trace_rl", "cj_grpo", "agrpo")
 TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
+    "ebpo": trainer_classes("ebpo"),
 }
+# Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
+BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
-LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO"})
+LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
-COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold"})
+COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
@@ -115,6 +123,8 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 # policy, which with num_iterations=1 is the current one detached: zero in value and gradient. So TraceRL is run
 # with `kl_target="reference"` (CJ-GRPO's and AGRPO's default), the others' anchor; AGRPO's recipe has beta 0.
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
+# EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient.
+BETA["ebpo"] = 0.04
 # Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
 OVERRIDES = {"trace_rl": {"kl_target": "reference"}}
 # The objective settings reported with each trainer (its own defaults).
@@ -130,6 +140,7 @@ OBJECTIVE_FIELDS = {
     "spg": ("num_mc_samples", "mask_sampler", "negative_bound", "eubo_beta", "eubo_mix_weight", "elbo_region"),
     "trace_rl": ("transition_grouping", "transition_reduction", "pass_rate_range", "kl_target", "epsilon"),
     "cj_grpo": ("schedule", "eos_rejection_min", "transition_reduction", "kl_target", "epsilon", "scale_rewards"),
+    "ebpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -218,6 +229,7 @@ def sft_job(job: dict) -> dict:
         sft_steps=job["sft_steps"],
         max_completion_length=job["canvas"][0],
         verbose=False,
+        model_family=job["model_family"],
     )
     seconds = time.perf_counter() - start
     return {
@@ -367,7 +379,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--trainers",
         nargs="+",
         choices=tuple(TRAINERS),
-        default=[name for name in TRAINERS if name not in REFERENCE_MODES],
+        default=[name for name in TRAINERS if name not in REFERENCE_MODES and name not in BLOCK_MODEL_TRAINERS],
         help="Trainers (`NAME_public`: the public code's objective of spg, just_grpo and agrpo).",
     )
     parser.add_argument("--seeds", type=int, help="Number of seeds (0, 1, ...; default: the preset's, 3).")
@@ -382,6 +394,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         metavar=("L", "B"),
         help="Canvas length and block length of SFT, rollouts and evaluation (default: the task's, 4 and 4).",
+    )
+    parser.add_argument(
+        "--model_family",
+        choices=("llada", "sdar", "sdar_moe", "llada2"),
+        default="llada",
+        help="The demo's tiny model that every run starts from (default llada; EBPO needs a block-causal one).",
     )
     parser.add_argument(
         "--rollouts", choices=ROLLOUT_MODES, default="plain", help="Training rollouts' sampler (default plain)."
@@ -427,6 +445,11 @@ def _run_all(context, jobs: int, function, items: list[dict], describe) -> list[
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.model_family == "llada" and BLOCK_MODEL_TRAINERS & set(args.trainers):
+        raise SystemExit(
+            f"{', '.join(sorted(BLOCK_MODEL_TRAINERS & set(args.trainers)))} needs a block-causal model: add "
+            "`--model_family sdar` (or sdar_moe, llada2)."
+        )
     device, preset_name, preset = select_preset(args, PRESETS)
     from trl_diffusion.demo import TASK
     from trl_diffusion.tasks import get_task
@@ -443,6 +466,7 @@ def main(argv=None) -> dict:
         "beta": {name: BETA[name] for name in args.trainers},
         "overrides": overrides_of(args.trainers, args.set),
         "canvas": canvas,
+        "model_family": args.model_family,
         "rollouts": args.rollouts,
         "rollout_sampler": rollout_sampler(args.rollouts, *canvas),
     }
@@ -461,6 +485,7 @@ def main(argv=None) -> dict:
                 "num_eval_examples": settings["num_eval_examples"],
                 "threads": threads,
                 "canvas": canvas,
+                "model_family": args.model_family,
             }
             for seed in seeds
         ]
