@@ -16,10 +16,11 @@ from ..validation import (
     integer,
     number,
 )
+from .base_config import MaskTokenConfig
 
 
 @dataclass
-class DiffusionSFTConfig(SFTConfig):
+class DiffusionSFTConfig(MaskTokenConfig, SFTConfig):
     r"""
     Configuration of [`DiffusionSFTTrainer`]: completion-only supervised fine-tuning of a masked diffusion language
     model (LLaDA's SFT recipe, also d1's first stage). Every [`~trl.SFTConfig`] field keeps its meaning unless stated
@@ -62,13 +63,6 @@ class DiffusionSFTConfig(SFTConfig):
     loss adds no Mixture-of-Experts load-balancing term: a MoE model's router logits are not requested).
     """
 
-    mask_token_id: int | None = field(
-        default=None,
-        metadata={
-            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
-            "(LLaDA 126336, Dream 151666)."
-        },
-    )
     timestep_eps: float = field(
         default=1e-3,
         metadata={"help": "Smallest masking ratio: t ~ U(timestep_eps, 1), masked tokens weighted 1/t."},
@@ -120,7 +114,6 @@ class DiffusionSFTConfig(SFTConfig):
     # `DiffusionRLConfig.field_rules`). `loss_type` is `unsupported_fields`'.
     field_rules: ClassVar[dict[str, FieldRule]] = {
         **TRAINING_ARGUMENTS_RULES,
-        "mask_token_id": integer(0, optional=True, note="None reads it from the model"),
         "timestep_eps": number(0, 1, low_inclusive=False, high_inclusive=False, note="the smallest masking ratio"),
         "max_completion_length": integer(1, optional=True, note="None: the longest completion of each batch"),
         "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
