@@ -181,7 +181,6 @@ CONTRACT: tuple[UpstreamName, ...] = (
         "ref_model": "the reference policy (None under PEFT, or with precomputed reference ELBOs)",
         "beta": "the weight of the ELBO differences in the sigmoid",
         "precompute_ref_logps": "whether the batch carries precomputed reference ELBOs",
-        "aux_loss_enabled": "TRL's MoE router loss flag: the ELBO loss adds none",
     }),
     # ---- GRPOTrainer's attributes
     *_attributes(GRPO, (BASE,), {

@@ -171,8 +171,6 @@ class DiffusionDPOTrainer(
 
         remove_fused_lm_head(self.model)
         remove_fused_lm_head(self.ref_model)
-        # TRL enables a MoE model's load-balancing loss with the architecture's coefficient; the loss here adds none.
-        self.aux_loss_enabled = False
         context = self.adapter.context_length
         if isinstance(self.data_collator, DataCollatorForDiffusionSFT) and context is not None:
             limit = self.data_collator.max_length
