@@ -549,7 +549,7 @@ def sample_masks(
 
 def sample_canvas_masks(
     adapter: DiffusionAdapter,
-    prompt_mask: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
     canvas: torch.LongTensor,
     seeds: torch.LongTensor,
     iteration: int,
@@ -567,7 +567,8 @@ def sample_canvas_masks(
         adapter ([`DiffusionAdapter`]):
             The model's adapter (terminators, attention blocks).
         prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
-            1 for real prompt tokens, 0 for left padding (a block-causal model's blocks start at the prompt).
+            1 for real prompt tokens, 0 for left padding: where a block-causal model's blocks start (read for such a
+            model only).
         canvas (`torch.LongTensor` of shape `(batch, completion_length)`):
             The completion canvases.
         seeds, iteration, num_mc_samples, eps, block_length:

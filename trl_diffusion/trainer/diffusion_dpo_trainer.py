@@ -130,8 +130,8 @@ class DiffusionDPOTrainer(
                 "settings define the loss."
             )
         in_memory = not isinstance(model, str) and not get_config_model_id(model.config)
-        if ref_model is None and in_memory and peft_config is None and not is_peft_model(model):
-            if not args.precompute_ref_log_probs:
+        if in_memory and ref_model is None and peft_config is None and not args.precompute_ref_log_probs:
+            if not is_peft_model(model):
                 # TRL loads the reference from the policy's path, and a model built in memory has none.
                 ref_model = copy.deepcopy(model)
         if processing_class is None:

@@ -37,7 +37,7 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
         args = self.args
         return sample_canvas_masks(
             self.adapter,
-            inputs["prompt_mask"],
+            inputs.get("prompt_mask"),
             inputs["completion_canvas"],
             inputs["mask_seeds"],
             iteration,
