@@ -146,8 +146,10 @@ def test_help_lists_every_field(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    # The fields a dataclass refuses, and `sft`'s `reward_funcs` (SFT takes no reward functions), have no flag.
-    refused = {**make_training_parser(command).refused_fields, **({"reward_funcs": None} if command == "sft" else {})}
+    # The fields a dataclass refuses, and the `reward_funcs` of SFT and DPO (they take no reward functions), have no
+    # flag.
+    no_rewards = {} if train_script.takes_rewards(command) else {"reward_funcs": None}
+    refused = {**make_training_parser(command).refused_fields, **no_rewards}
     for dataclass in (DiffusionScriptArguments, config_class, ModelConfig):
         fields = [f.name for f in dataclasses.fields(dataclass) if f.init]
         missing = [name for name in fields if name not in refused and f"  --{name} " not in help_text]
@@ -157,12 +159,10 @@ def test_help_lists_every_field(command, capsys):
     # The package's own flags first, in groups; TRL's and transformers' after them.
     titles = [line for line in help_text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert titles[0] == "options:" and titles[1].startswith("DiffusionScriptArguments")
-    assert titles[-2:] == [
-        f"TRL ({'SFTConfig' if command == 'sft' else 'GRPOConfig'}):",
-        "transformers (TrainingArguments):",
-    ]
+    trl_class = next(cls for cls in config_class.__mro__ if cls.__module__.startswith("trl.trainer."))
+    assert titles[-2:] == [f"TRL ({trl_class.__name__}):", "transformers (TrainingArguments):"]
     assert help_text.index("--model_name_or_path") < help_text.index("--learning_rate")
-    if command != "sft":
+    if train_script.takes_rewards(command):
         assert titles[2] == "diffusion sampler and rollouts (DiffusionRLConfig):"
         sampler = help_text[help_text.index(titles[2]) : help_text.index(titles[3])]
         # (JustGRPO fixes `block_length` and `diffusion_steps`: one position per step, left to right.)
@@ -227,7 +227,7 @@ def test_training_flags_are_fields_the_command_reads(command):
     adds is a sampler field or read by the trainer's code."""
     config_class, trainer_class = trainer_classes(command)
     flags = set(make_training_parser(command).flags)
-    script_flags = SCRIPT_FLAGS - ({"reward_funcs"} if command == "sft" else set())
+    script_flags = SCRIPT_FLAGS - (set() if train_script.takes_rewards(command) else {"reward_funcs"})
     config_flags = {f.name for f in dataclasses.fields(config_class) if f.init} - set(config_class.unsupported_fields)
     assert flags == script_flags | config_flags | {f.name for f in dataclasses.fields(ModelConfig)}
     assert "ignore_bias_buffers" not in flags  # TRL's DPO switch, read by no command

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from trl import GRPOConfig, SFTConfig
+from trl import DPOConfig, GRPOConfig, SFTConfig
 
 import trl_diffusion
 import trl_diffusion.trainer as trainer_module
@@ -22,7 +22,7 @@ CONFIG_CLASSES = sorted(
         for module in (trainer_module, trl_diffusion)
         for name in dir(module)
         if isinstance(value := getattr(module, name), type)
-        and issubclass(value, (GRPOConfig, SFTConfig))
+        and issubclass(value, (GRPOConfig, SFTConfig, DPOConfig))
         and name == value.__name__  # not a deprecated alias
     },
     key=lambda config_class: config_class.__name__,
@@ -81,7 +81,8 @@ def test_every_numeric_field_has_one_owner(config_class):
 
 
 def test_the_sweep_covers_every_config_class():
-    assert len(CONFIG_CLASSES) == 17 and trl_diffusion.DiffusionSFTConfig in CONFIG_CLASSES
+    assert len(CONFIG_CLASSES) == 18 and trl_diffusion.DiffusionSFTConfig in CONFIG_CLASSES
+    assert trl_diffusion.DiffusionDPOConfig in CONFIG_CLASSES
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=IDS)

@@ -1,6 +1,6 @@
 """Every trainer config, one table: the defaults its paper (or the shared base) fixes, built and parsed from an empty
 command line; the fields it adds to its parent or re-defaults, exactly; and every field it adds to TRL's config
-(`GRPOConfig`, `SFTConfig`) or re-defaults, set to a non-default value on the command line and read back.
+(`GRPOConfig`, `SFTConfig`, `DPOConfig`) or re-defaults, set to a non-default value on the command line and read back.
 
 Values of the configs' bad inputs are tested next to their trainers (`test_trainers.py`, `test_espo.py`, ...), and for
 every numeric and choice field by `test_config_validation.py`.
@@ -10,7 +10,7 @@ import dataclasses
 import re
 
 import pytest
-from trl import GRPOConfig, SFTConfig, TrlParser
+from trl import DPOConfig, GRPOConfig, SFTConfig, TrlParser
 
 from trl_diffusion.generation import DiffusionGenerationConfig
 from trl_diffusion.trainer import (
@@ -19,6 +19,7 @@ from trl_diffusion.trainer import (
     CJGRPOConfig,
     CoupledGRPOConfig,
     DiffuGRPOConfig,
+    DiffusionDPOConfig,
     DiffusionRLConfig,
     DiffusionSFTConfig,
     EBPOConfig,
@@ -345,6 +346,25 @@ SPECS = {
         ),
         values={"max_completion_length": 256, "max_prompt_length": 128, "mask_token_id": 7, "max_length": 512},
     ),
+    # LLaDA 1.5's VRPO: 8 Monte Carlo samples per completion, the paper's unnormalized DPO on the answer's ELBO.
+    DiffusionDPOConfig: Spec(
+        parent=DPOConfig,
+        changes=frozenset({"mask_token_id", "num_mc_samples", "mask_sampler", "elbo_region", "length_norm"})
+        | {"timestep_eps", "max_completion_length", "max_length"},
+        defaults=dict(
+            num_mc_samples=8,
+            mask_sampler="stratified",
+            elbo_region="answer",
+            length_norm="none",
+            timestep_eps=1e-3,
+            mask_token_id=None,
+            max_completion_length=None,
+            max_length=None,
+            beta=0.1,
+            loss_type=["sigmoid"],
+        ),
+        values={"elbo_region": "canvas", "length_norm": "answer", "max_completion_length": 16, "max_length": 512},
+    ),
 }
 CONFIG_CLASSES = list(SPECS)
 
@@ -414,7 +434,7 @@ PARSED_WITH_DEFAULTS = {"estimator"}
 
 
 def trl_config(config_class) -> type:
-    return SFTConfig if issubclass(config_class, SFTConfig) else GRPOConfig
+    return next(base for base in (SFTConfig, DPOConfig, GRPOConfig) if issubclass(config_class, base))
 
 
 def defaults_of(config_class) -> dict:
@@ -452,7 +472,7 @@ def test_every_config_is_in_the_table():
         value
         for name in dir(trainer_module)
         if isinstance(value := getattr(trainer_module, name), type)
-        and issubclass(value, (GRPOConfig, SFTConfig))
+        and issubclass(value, (GRPOConfig, SFTConfig, DPOConfig))
         and name == value.__name__  # not a deprecated alias
     }
     assert configs == set(SPECS)

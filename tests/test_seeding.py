@@ -16,7 +16,8 @@ STREAM_GROUPS = {
         "MASK_BLOCKS",
         "TRAJECTORY_TRANSITIONS",
     ),
-    "sft": ("SFT_TRAIN_NOISE", "SFT_EVAL_NOISE"),
+    # The streams of the run seed in the trainers on TRL's SFT and DPO trainers.
+    "sft and dpo": ("SFT_TRAIN_NOISE", "SFT_EVAL_NOISE", "DPO_COMPLETION"),
 }
 
 

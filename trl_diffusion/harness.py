@@ -25,8 +25,6 @@ of a request come from its token ids and `seed`, and so does the sampler's noise
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import logging
 from collections import Counter, defaultdict
 from dataclasses import fields, replace
@@ -47,7 +45,7 @@ from .evaluation import _left_pad, evaluation_adapter, load_for_evaluation
 from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
 from .likelihood import elbo_terms
 from .masking import SAMPLERS, MaskPlan, sample_masks
-from .seeding import derive_seed
+from .seeding import content_digest, derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +68,6 @@ LLADA_ARGUMENT_NAMES = {
 DEFAULT_MAX_BATCH_SIZE = 64
 # Devices on which `batch_size="auto"` probes the memory; elsewhere (the CPU) it takes `max_batch_size`.
 PROBED_DEVICE_TYPES = ("cuda", "xpu", "npu", "mps")
-
-
-def _digest(*parts) -> int:
-    """A 64-bit integer that depends only on `parts` (token id lists), not on the process or the Python hash seed."""
-    return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little")
 
 
 @register_model(HARNESS_MODEL_NAME)
@@ -435,7 +428,7 @@ class DiffusionLM(TemplateLM):
         seeds, occurrences = [], Counter()
         for context in contexts:  # a repeated request (`repeats`) samples afresh each time
             occurrences[tuple(context)] += 1
-            seeds.append(derive_seed(self.seed, _digest(context), occurrences[tuple(context)]))
+            seeds.append(derive_seed(self.seed, content_digest(context), occurrences[tuple(context)]))
         # Longest first, so that a batch holds prompts of similar lengths; the results go back in request order.
         order = sorted(range(len(requests)), key=lambda index: -len(contexts[index]))
         texts = [None] * len(requests)
@@ -545,7 +538,7 @@ class DiffusionLM(TemplateLM):
 
     def mask_seed(self, context_ids: list[int], continuation_ids: list[int]) -> int:
         """The mask seed of a request (see [`~masking.sample_masks`]): a function of `seed` and the token ids only."""
-        return derive_seed(self.seed, _digest(context_ids, continuation_ids)) >> 2
+        return derive_seed(self.seed, content_digest(context_ids, continuation_ids)) >> 2
 
     @torch.no_grad()
     def _elbos(self, contexts: list[list[int]], continuations: torch.LongTensor, seeds: list[int]) -> torch.Tensor:

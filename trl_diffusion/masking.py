@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .seeding import MASK_BLOCKS, MASK_COMPLETION, MASK_PAIR, MASK_PROMPT, MASK_SAMPLE, keyed_generator
 from .utils.sequences import completion_lengths
+
+if TYPE_CHECKING:
+    from .models import DiffusionAdapter
 
 # GDPO's semi-deterministic estimator: Gauss-Legendre nodes t_k on (0, 1) and weights a_k (summing to 1).
 QUADRATURE_RULES = {
@@ -581,6 +585,42 @@ def sample_masks(
         complement_masks=complement_masks.to(device),
         complement_weights=complement_weights.to(device),
     )
+
+
+def sample_canvas_masks(
+    adapter: DiffusionAdapter,
+    prompt_mask: torch.Tensor | None,
+    canvas: torch.LongTensor,
+    seeds: torch.LongTensor,
+    iteration: int,
+    sampler: str,
+    num_mc_samples: int,
+    elbo_region: str,
+    eps: float = 1e-3,
+    block_length: int | None = None,
+) -> MaskPlan:
+    """The Monte Carlo masks of a batch of completion canvases as the trainers draw them: [`sample_masks`] over the
+    region `elbo_region` of each canvas ([`completion_region`], with the model's terminators), per attention block
+    for a block-causal model (whose ELBO is the block ELBO).
+
+    Args:
+        adapter ([`DiffusionAdapter`]):
+            The model's adapter (terminators, attention blocks).
+        prompt_mask (`torch.Tensor` of shape `(batch, prompt_length)`):
+            1 for real prompt tokens, 0 for left padding: where a block-causal model's blocks start (read for such a
+            model only).
+        canvas (`torch.LongTensor` of shape `(batch, completion_length)`):
+            The completion canvases.
+        seeds, iteration, num_mc_samples, eps, block_length:
+            As in [`sample_masks`].
+        sampler (`str`):
+            One of `SAMPLERS`.
+        elbo_region (`str`):
+            One of `ELBO_REGIONS`.
+    """
+    region = completion_region(canvas, adapter.terminator_ids, elbo_region)
+    blocks = adapter.completion_blocks(prompt_mask, canvas.shape[1]) if adapter.block_causal else None
+    return sample_masks(sampler, region, seeds, iteration, num_mc_samples, eps, block_length, blocks)
 
 
 def sample_prompt_masks(

@@ -24,12 +24,19 @@ LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
                      derive_seed(mask seed, inner iteration, TRAJECTORY_TRANSITIONS)
 
 Diffusion SFT noise, per row: derive_seed(seed, SFT_TRAIN_NOISE, step, global row of the step's batch) or (seed,
-SFT_EVAL_NOISE, global row of the evaluation). Evaluation sampling: derive_seed(seed, example index). The harness model (`trl_diffusion.harness`), keyed by
+SFT_EVAL_NOISE, global row of the evaluation). Diffusion DPO masks, per completion, keyed by its content so that
+policy, reference and a precomputed reference see the same masks whatever the batch:
+completion key = derive_seed(seed, DPO_COMPLETION, content_digest(prompt ids, completion ids)); its mask seed is
+derive_seed(completion key, step) >> 2 in training (fresh masks at every optimizer step) and completion key >> 2 in
+evaluation and with precomputed reference terms. Evaluation sampling: derive_seed(seed, example index). The harness model (`trl_diffusion.harness`), keyed by
 content so that neither the batch nor the process matters: mask seed = derive_seed(seed, digest of the context and
 continuation ids) >> 2; sampling = derive_seed(seed, digest of the context ids, occurrence of that context).
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 import torch
 
@@ -46,6 +53,7 @@ MASK_BLOCKS = 5
 TRAJECTORY_TRANSITIONS = 6
 SFT_TRAIN_NOISE = 0
 SFT_EVAL_NOISE = 1
+DPO_COMPLETION = 2
 
 _UINT64 = (1 << 64) - 1
 
@@ -67,6 +75,11 @@ def derive_seed(*keys: int) -> int:
     for key in keys:
         state = _mix64(state ^ (int(key) & _UINT64))
     return state
+
+
+def content_digest(*parts) -> int:
+    """A 64-bit integer that depends only on `parts` (token id lists), not on the process or the Python hash seed."""
+    return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little")
 
 
 def keyed_generator(*keys: int, device: torch.device | str | None = None) -> torch.Generator:

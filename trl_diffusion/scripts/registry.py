@@ -79,6 +79,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "sft_trainer.DiffusionSFTTrainer",
         "masked-diffusion SFT on prompt / completion pairs",
     ),
+    "diffusion_dpo": (
+        "diffusion_dpo_config.DiffusionDPOConfig",
+        "diffusion_dpo_trainer.DiffusionDPOTrainer",
+        "DPO on preference pairs with VRPO's ELBO estimates (LLaDA 1.5)",
+    ),
 }
 
 

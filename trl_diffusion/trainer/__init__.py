@@ -1,4 +1,5 @@
-"""The trainers: a shared GRPOTrainer base with diffusion rollouts, and one config/trainer pair per algorithm."""
+"""The trainers: a shared GRPOTrainer base with diffusion rollouts, one config/trainer pair per algorithm, and the
+SFT and DPO trainers on TRL's `SFTTrainer` and `DPOTrainer`."""
 
 from .. import _import_structure
 from .agrpo_config import AGRPOConfig
@@ -13,6 +14,8 @@ from .coupled_grpo_config import CoupledGRPOConfig
 from .coupled_grpo_trainer import CoupledGRPOTrainer
 from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
+from .diffusion_dpo_config import DiffusionDPOConfig
+from .diffusion_dpo_trainer import DataCollatorForDiffusionPreference, DiffusionDPOTrainer
 from .ebpo_config import EBPOConfig
 from .ebpo_trainer import EBPOTrainer
 from .espo_config import ESPOConfig
@@ -44,4 +47,5 @@ __all__ = [
     "SequenceELBOTrainer",
     "TokenLossTrainer",
     "DataCollatorForDiffusionSFT",
+    "DataCollatorForDiffusionPreference",
 ]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 from trl import GRPOConfig
 
 from ..generation import DiffusionGenerationConfig
-from ..masking import ELBO_REGIONS
+from ..masking import ELBO_REGIONS, LENGTH_NORMS, QUADRATURE_RULES, SAMPLERS
 from ..validation import (
     TRAINING_ARGUMENTS_RULES,
     FieldRule,
@@ -126,7 +126,45 @@ def check_public_estimator_fields(config) -> None:
 
 
 @dataclass
-class DiffusionRLConfig(GRPOConfig):
+class MaskTokenConfig:
+    r"""
+    The mask token of the model; a base of every trainer config of the package.
+
+        mask_token_id (`int`, *optional*):
+            Id of the mask token. Default: the model config's `mask_token_id`, then the tokenizer's, then the known
+            value of the model family (LLaDA 126336, Dream 151666). A model with none is refused.
+    """
+
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
+            "(LLaDA 126336, Dream 151666)."
+        },
+    )
+
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "mask_token_id": integer(0, optional=True, note="None reads it from the model")
+    }
+
+
+class CheckedConfig:
+    """The checks every trainer config of the package runs around its TRL base's `__post_init__`: the defaults chosen
+    from other fields (`choose_config_defaults`), each field's type and range (`field_rules`, before TRL computes with
+    the values), TRL's own checks, then the inherited fields it refuses (`unsupported_fields`, the message naming
+    `checked_for`). A config adds its checks across fields after `super().__post_init__()`."""
+
+    checked_for: ClassVar[str] = "trl_diffusion"
+
+    def __post_init__(self):
+        choose_config_defaults(self)
+        check_field_rules(self)
+        super().__post_init__()
+        check_unsupported_fields(self, self.checked_for)
+
+
+@dataclass
+class DiffusionRLConfig(MaskTokenConfig, CheckedConfig, GRPOConfig):
     r"""
     Configuration shared by the trl_diffusion RL trainers: TRL's [`~trl.GRPOConfig`] plus the diffusion sampler that
     generates the rollouts. The sampler fields (`SAMPLER_FIELDS`, declared with `sampler_field`) are
@@ -180,13 +218,6 @@ class DiffusionRLConfig(GRPOConfig):
         note="Default (None): `prefix` on a block-causal model, whose cache of the finished blocks is exact (the same "
         "rollouts, faster), `none` on a bidirectional one, whose caches approximate (docs/benchmarks.md, 'Fast "
         "rollouts in training').",
-    )
-    mask_token_id: int | None = field(
-        default=None,
-        metadata={
-            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
-            "(LLaDA 126336, Dream 151666)."
-        },
     )
     max_prompt_length: int | None = field(
         default=512,
@@ -273,17 +304,13 @@ class DiffusionRLConfig(GRPOConfig):
         "off_policy_mask_threshold": number(0, optional=True, note="None disables the off-policy mask"),
         "router_aux_loss_coef": number(0, optional=True),
         "num_completions_to_print": integer(0, optional=True, note="None prints them all"),
-        "mask_token_id": integer(0, optional=True, note="None reads it from the model"),
         "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
         "max_consecutive_failed_reward_steps": integer(1, optional=True, note="rollout batches; None never stops"),
         "reward_weights": number(optional=True, each=True, note="one weight per reward function; None weighs them 1"),
     }
 
     def __post_init__(self):
-        choose_config_defaults(self)
-        check_field_rules(self)
         super().__post_init__()
-        check_unsupported_fields(self, "trl_diffusion")
         # Validates the sampler settings now rather than at the first rollout (the messages name the same fields).
         self.to_generation_config()
 
@@ -331,6 +358,58 @@ class CompletionRegionConfig:
     )
 
     field_rules: ClassVar[dict[str, FieldRule]] = {"elbo_region": choice(ELBO_REGIONS)}
+
+
+@dataclass
+class MonteCarloELBOConfig:
+    r"""
+    The Monte Carlo ELBO estimator of a completion; a base of the configs whose trainers score completions with it
+    (the sequence-ELBO trainers and [`DiffusionDPOConfig`]).
+
+        num_mc_samples (`int`, *optional*, defaults to `1`):
+            Monte Carlo samples n_t of the ELBO per completion (pairs for the `coupled` sampler).
+        mask_sampler (`str`, *optional*, defaults to `"stratified"`):
+            How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t`, `stratified_t`, or GDPO's
+            semi-deterministic quadrature over the masking rate, `gauss_2` / `gauss_3` (2 or 3 Gauss-Legendre nodes,
+            `num_mc_samples` a multiple of them; biased, see docs/likelihood.md), or SPG's block-wise masking,
+            `block` (one block of `block_length` scored per sample, earlier blocks clean, later ones masked: the
+            ELBO of block-by-block decoding).
+        length_norm (`str`, *optional*, defaults to `"canvas"`):
+            Divisor N of ELBO differences: `none`, `canvas` (L) or `answer` (answer length).
+        timestep_eps (`float`, *optional*, defaults to `1e-3`):
+            Smallest timestep of the `uniform_t` and `stratified_t` samplers.
+    """
+
+    num_mc_samples: int = field(
+        default=1, metadata={"help": "Monte Carlo samples of the ELBO per completion (pairs for `coupled`)."}
+    )
+    mask_sampler: str = field(
+        default="stratified", metadata={"help": "How the Monte Carlo masks are drawn.", "choices": list(SAMPLERS)}
+    )
+    length_norm: str = field(
+        default="canvas",
+        metadata={"help": "Divisor of ELBO differences: none, canvas (L) or answer.", "choices": list(LENGTH_NORMS)},
+    )
+    timestep_eps: float = field(
+        default=1e-3, metadata={"help": "Smallest timestep of the uniform_t and stratified_t samplers."}
+    )
+
+    field_rules: ClassVar[dict[str, FieldRule]] = {
+        "num_mc_samples": integer(1),
+        "mask_sampler": choice(SAMPLERS),
+        "length_norm": choice(LENGTH_NORMS),
+        "timestep_eps": number(0, 1, low_inclusive=False, high_inclusive=False),
+    }
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mask_sampler in QUADRATURE_RULES:
+            num_nodes = len(QUADRATURE_RULES[self.mask_sampler][0])
+            if self.num_mc_samples % num_nodes != 0:
+                raise ValueError(
+                    f"`mask_sampler={self.mask_sampler!r}` has {num_nodes} nodes: `num_mc_samples` "
+                    f"({self.num_mc_samples}) must be a multiple of {num_nodes} (masks per node)."
+                )
 
 
 @dataclass

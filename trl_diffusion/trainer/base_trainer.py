@@ -30,7 +30,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 from trl import GRPOTrainer
-from trl.trainer.utils import RepeatSampler, get_config_model_id, pad, use_adapter
+from trl.trainer.utils import RepeatSampler, get_config_model_id, pad
 
 from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
 from ..hub import HubErrorsMixin
@@ -48,6 +48,7 @@ from .utils import (
     check_processing_class,
     guard_reward_function,
     linear_layer_names,
+    reference_policy,
     remove_fused_lm_head,
     trl_checkpointing_deprecations_silenced,
     unwrapped_for_generation,
@@ -734,16 +735,9 @@ class DiffusionRLTrainer(
     def num_iterations_for(self, mode: str) -> int:
         return self.num_iterations if mode == "train" else 1
 
-    @contextmanager
     def reference_model(self):
-        """The reference policy: the separate reference model, or the trained model with its adapter disabled (or
-        switched to the initial "ref" adapter) under PEFT, as TRL does."""
-        if self.ref_model is not None:
-            yield self.ref_model
-            return
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-            yield self.model
+        """The reference policy, a context manager ([`~trainer.utils.reference_policy`])."""
+        return reference_policy(self)
 
     def rollout_inputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(prompt_ids, prompt_mask, completion_canvas)` of a batch: what the likelihood estimators score."""

@@ -50,6 +50,7 @@ class UpstreamName:
 
 GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
 SFT = "trl.trainer.sft_trainer:SFTTrainer"
+DPO = "trl.trainer.dpo_trainer:DPOTrainer"
 TRAINER = "transformers.trainer:Trainer"
 MIXIN = "trl_diffusion.trainer.base_trainer:TRLContractMixin"
 FINISHED = "trl_diffusion.trainer.utils:FinishedRunMixin"
@@ -170,6 +171,16 @@ CONTRACT: tuple[UpstreamName, ...] = (
         "_tokenizer": "the tokenizer of the processing class (the adapter's mask token and EOS)",
         "_metrics": "TRL's metric buffers, logged by TRL",
         "_total_train_tokens": "TRL's `num_tokens` metric, counted over the completion tokens",
+    }),
+    # ---- DPOTrainer (its overrides are public: `compute_loss`, `prediction_step`, and `compute_ref_log_probs`, which
+    # TRL's `_precompute_ref_logps` calls once per batch of the dataset)
+    *_attributes(DPO, ("trl_diffusion.trainer.diffusion_dpo_trainer",), {
+        "_tokenizer": "the tokenizer of the processing class (the adapter's mask token)",
+        "_metrics": "TRL's metric buffers, logged by TRL",
+        "_total_train_tokens": "TRL's `num_tokens` metric, counted over the prompt and canvas tokens",
+        "ref_model": "the reference policy (None under PEFT, or with precomputed reference ELBOs)",
+        "beta": "the weight of the ELBO differences in the sigmoid",
+        "precompute_ref_logps": "whether the batch carries precomputed reference ELBOs",
     }),
     # ---- GRPOTrainer's attributes
     *_attributes(GRPO, (BASE,), {

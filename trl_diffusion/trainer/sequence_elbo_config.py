@@ -3,18 +3,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..masking import LENGTH_NORMS, QUADRATURE_RULES, SAMPLERS
-from ..validation import FieldRule, choice, integer, number
-from .base_config import CompletionRegionConfig, DiffusionRLConfig, refused_token_loss_fields
+from .base_config import CompletionRegionConfig, DiffusionRLConfig, MonteCarloELBOConfig, refused_token_loss_fields
 
 
 @dataclass
-class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
+class SequenceELBOConfig(MonteCarloELBOConfig, CompletionRegionConfig, DiffusionRLConfig):
     r"""
     Configuration shared by the trainers whose likelihood proxy is a sequence-level Monte Carlo ELBO (VRPO, BGPO,
     ESPO): [`DiffusionRLConfig`] plus the estimator and the sequence ratio.
 
-    Parameters of the Monte Carlo ELBO estimator:
+    Parameters of the Monte Carlo ELBO estimator ([`MonteCarloELBOConfig`] and [`CompletionRegionConfig`]):
 
         num_mc_samples (`int`, *optional*, defaults to `1`):
             Monte Carlo samples n_t of the ELBO per completion (pairs for the `coupled` sampler).
@@ -47,19 +45,6 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
     and `use_bias_correction_kl=True` are refused: the objective is one loss per completion.
     """
 
-    num_mc_samples: int = field(
-        default=1, metadata={"help": "Monte Carlo samples of the ELBO per completion (pairs for `coupled`)."}
-    )
-    mask_sampler: str = field(
-        default="stratified", metadata={"help": "How the Monte Carlo masks are drawn.", "choices": list(SAMPLERS)}
-    )
-    length_norm: str = field(
-        default="canvas",
-        metadata={"help": "Divisor of ELBO differences: none, canvas (L) or answer.", "choices": list(LENGTH_NORMS)},
-    )
-    timestep_eps: float = field(
-        default=1e-3, metadata={"help": "Smallest timestep of the uniform_t and stratified_t samplers."}
-    )
     use_bias_correction_kl: bool = field(
         default=False,
         metadata={"help": "Not available: the sequence KL is not importance-weighted (TRL's k3 correction)."},
@@ -79,22 +64,8 @@ class SequenceELBOConfig(CompletionRegionConfig, DiffusionRLConfig):
         ),
     }
 
-    field_rules: ClassVar[dict[str, FieldRule]] = {
-        "num_mc_samples": integer(1),
-        "mask_sampler": choice(SAMPLERS),
-        "length_norm": choice(LENGTH_NORMS),
-        "timestep_eps": number(0, 1, low_inclusive=False, high_inclusive=False),
-    }
-
     def __post_init__(self):
         super().__post_init__()
-        if self.mask_sampler in QUADRATURE_RULES:
-            num_nodes = len(QUADRATURE_RULES[self.mask_sampler][0])
-            if self.num_mc_samples % num_nodes != 0:
-                raise ValueError(
-                    f"`mask_sampler={self.mask_sampler!r}` has {num_nodes} nodes: `num_mc_samples` "
-                    f"({self.num_mc_samples}) must be a multiple of {num_nodes} (masks per node)."
-                )
         if not self.clip_sequence_ratio:
             for name, default in (("epsilon", 0.2), ("epsilon_high", None), ("delta", None)):
                 if getattr(self, name) != default:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..likelihood import elbo_terms, stacked_elbo_terms
-from ..masking import MaskPlan, completion_region, length_normalizer, sample_masks
+from ..masking import MaskPlan, length_normalizer, sample_canvas_masks
 from .base_trainer import DiffusionRLTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 
@@ -34,20 +34,18 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
     def mask_plan(self, inputs: dict, iteration: int) -> MaskPlan:
         """The Monte Carlo masks of every row of `inputs` for inner iteration `iteration` (drawn per attention block
         for a block-causal model, whose ELBO is the block ELBO)."""
-        canvas = inputs["completion_canvas"]
-        region = completion_region(canvas, self.adapter.terminator_ids, self.args.elbo_region)
-        blocks = None
-        if self.adapter.block_causal:
-            blocks = self.adapter.completion_blocks(inputs["prompt_mask"], canvas.shape[1])
-        return sample_masks(
-            self.args.mask_sampler,
-            region,
+        args = self.args
+        return sample_canvas_masks(
+            self.adapter,
+            inputs.get("prompt_mask"),
+            inputs["completion_canvas"],
             inputs["mask_seeds"],
             iteration,
-            self.args.num_mc_samples,
-            self.args.timestep_eps,
-            self.args.block_length,
-            blocks,
+            args.mask_sampler,
+            args.num_mc_samples,
+            args.elbo_region,
+            args.timestep_eps,
+            args.block_length,
         )
 
     def elbo_normalizer(self, inputs: dict) -> torch.Tensor:

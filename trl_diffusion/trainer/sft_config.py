@@ -10,16 +10,14 @@ from trl import SFTConfig
 from ..validation import (
     TRAINING_ARGUMENTS_RULES,
     FieldRule,
-    check_field_rules,
-    check_unsupported_fields,
-    choose_config_defaults,
     integer,
     number,
 )
+from .base_config import CheckedConfig, MaskTokenConfig
 
 
 @dataclass
-class DiffusionSFTConfig(SFTConfig):
+class DiffusionSFTConfig(MaskTokenConfig, CheckedConfig, SFTConfig):
     r"""
     Configuration of [`DiffusionSFTTrainer`]: completion-only supervised fine-tuning of a masked diffusion language
     model (LLaDA's SFT recipe, also d1's first stage). Every [`~trl.SFTConfig`] field keeps its meaning unless stated
@@ -62,13 +60,6 @@ class DiffusionSFTConfig(SFTConfig):
     loss adds no Mixture-of-Experts load-balancing term: a MoE model's router logits are not requested).
     """
 
-    mask_token_id: int | None = field(
-        default=None,
-        metadata={
-            "help": "Id of the mask token. Default: the model config, then the tokenizer, then the model family "
-            "(LLaDA 126336, Dream 151666)."
-        },
-    )
     timestep_eps: float = field(
         default=1e-3,
         metadata={"help": "Smallest masking ratio: t ~ U(timestep_eps, 1), masked tokens weighted 1/t."},
@@ -116,11 +107,13 @@ class DiffusionSFTConfig(SFTConfig):
         ),
     }
 
+    # The trainer the refusal messages name.
+    checked_for: ClassVar[str] = "DiffusionSFTTrainer"
+
     # Type and range of each numeric field: name -> rule, checked at the start of `__post_init__` (see
     # `DiffusionRLConfig.field_rules`). `loss_type` is `unsupported_fields`'.
     field_rules: ClassVar[dict[str, FieldRule]] = {
         **TRAINING_ARGUMENTS_RULES,
-        "mask_token_id": integer(0, optional=True, note="None reads it from the model"),
         "timestep_eps": number(0, 1, low_inclusive=False, high_inclusive=False, note="the smallest masking ratio"),
         "max_completion_length": integer(1, optional=True, note="None: the longest completion of each batch"),
         "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
@@ -129,10 +122,7 @@ class DiffusionSFTConfig(SFTConfig):
     }
 
     def __post_init__(self):
-        choose_config_defaults(self)
-        check_field_rules(self)
         super().__post_init__()
-        check_unsupported_fields(self, "DiffusionSFTTrainer")
         # TRL's `None` guesses from the dataset; the prompt must always be told apart from the completion.
         self.completion_only_loss = True
         if (self.dataset_kwargs or {}).get("skip_prepare_dataset"):

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 from accelerate.utils import is_peft_model
-from trl.trainer.utils import RepeatSampler, get_config_model_id
+from trl.trainer.utils import RepeatSampler, get_config_model_id, use_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,18 @@ def linear_layer_names(model, trust_remote_code: bool = False) -> list[str] | No
         )
     except (OSError, ValueError, ImportError):
         return None
+
+
+@contextmanager
+def reference_policy(trainer):
+    """The reference policy of a TRL trainer: its separate reference model (`trainer.ref_model`), or the trained model
+    with its adapter disabled (or switched to the initial "ref" adapter) under PEFT, as TRL does."""
+    if trainer.ref_model is not None:
+        yield trainer.ref_model
+        return
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+        yield trainer.model
 
 
 @contextmanager
