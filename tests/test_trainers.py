@@ -486,7 +486,10 @@ def test_unscored_rows_get_zero_advantage(name, tiny_llada_dir, tmp_path):
         torch.testing.assert_close(scored.sum(dim=1), torch.zeros(scored.shape[0]), atol=1e-5, rtol=0)
     logs = train_logs(trainer)
     assert all(math.isfinite(entry[key]) for entry in logs for key in ("loss", "grad_norm"))
-    assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters())
+    # MDPO's per-step call puts each row's steps 1 and 2 at i % 4 = 1, 2: every return reads an unscored prediction,
+    # so every step's advantage is 0 and nothing trains (test_mdpo.py checks partly unscored steps).
+    changed = any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters())
+    assert changed != (name == "mdpo")
 
 
 def test_infinite_reward_is_unscored_and_counted(tiny_llada_dir, tmp_path):
