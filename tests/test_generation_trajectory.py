@@ -469,10 +469,8 @@ def test_tempered_running_confidence_equals_mdpos_code(tiny_llama, tiny_tokenize
         other = generate(model, prompt[None], generation_config=untempered, adapter=adapter, generator=generator)
         differs.append(not torch.equal(other.completion_ids, output.completion_ids))
     assert any(differs)
-    with pytest.raises(ValueError, match="tempered_confidence"):
-        DiffusionGenerationConfig(
-            max_completion_length=8, block_length=8, remasking="margin", tempered_confidence=True
-        )
+    margin = dataclasses.replace(config, remasking="margin")
+    assert not isinstance(margin.decoding().confidence, TemperedProbabilityConfidence)  # read by low_confidence only
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ class DiffusionGenerationConfig:
             Score `remasking="low_confidence"` at the sampling temperature: the confidence of a proposal is its
             probability under `softmax(logits / temperature)`, the distribution it was drawn from, as MDPO's code
             scores it (and so its running confidence under `running_confidence`); off, the untempered probability
-            (LLaDA's). Needs `remasking="low_confidence"`; no effect when greedy (`temperature=0`).
+            (LLaDA's). Only `remasking="low_confidence"` reads it; no effect when greedy (`temperature=0`).
         record_predictions (`bool`, defaults to `False`):
             Record, at every step, the completion that went into it, the step's prediction of the whole completion
             (the proposals at the positions it proposed for, the state elsewhere) and each proposal's log-probability
@@ -348,12 +348,6 @@ class DiffusionGenerationConfig:
                     "`eos_rejection_min` and `defer_terminators` both hold terminators back, and `defer_terminators` "
                     "already commits them last: set one of them only."
                 )
-        if self.tempered_confidence and self.remasking != "low_confidence":
-            raise ValueError(
-                f"`tempered_confidence` takes the probability of the proposal at the sampling temperature, which "
-                f"`remasking={self.remasking!r}` does not score: use `remasking='low_confidence'`, or "
-                "`tempered_confidence=False`."
-            )
         if self.running_confidence:
             for name, value in (("threshold", self.threshold), ("stop_patience", self.stop_patience)):
                 if value is not None:
@@ -474,7 +468,7 @@ class DiffusionGenerationConfig:
             feature_list.append(features.StopPatience(self.stop_patience, self.cfg_scale))
         if self.record_steps is not None:
             feature_list.append(features.RecordSteps(self.record_steps))
-        if self.tempered_confidence and self.temperature > 0:
+        if self.tempered_confidence and self.remasking == "low_confidence" and self.temperature > 0:
             confidence = features.TemperedProbabilityConfidence(self.temperature)
         else:
             confidence = features.CONFIDENCES[self.remasking]()
