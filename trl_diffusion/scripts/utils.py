@@ -219,9 +219,10 @@ def _field_group(dtype: type, name: str) -> tuple[int, str]:
         return 0, f"{dtype.__name__}: {getattr(dtype, 'help_group', 'dataset, rewards, evaluation, launch')}"
     owner = next(cls for cls in dtype.__mro__ if name in inspect.get_annotations(cls))
     if owner.__module__.startswith("trl_diffusion."):
-        from ..trainer.base_config import DiffusionRLConfig
+        from ..trainer.base_config import SAMPLER_FIELDS, DiffusionRLConfig
 
-        if owner is DiffusionRLConfig:
+        # A sampler setting stays with the sampler's, whichever config sets its default.
+        if owner is DiffusionRLConfig or name in SAMPLER_FIELDS:
             return 1, "diffusion sampler and rollouts (DiffusionRLConfig)"
         return 2, f"{dtype.__name__}: the algorithm's settings"
     if owner.__module__.startswith("trl."):
