@@ -611,6 +611,7 @@ EXAMPLES = {
     "trace_rl_gsm8k": "trace_rl",
     "cj_grpo_sudoku": "cj_grpo",
     "agrpo_sudoku": "agrpo",
+    "mdpo_math": "mdpo",
 }
 # The examples with preset switches (`--block_model`, `--egspo`, ...): flag -> the fields it sets.
 EXAMPLE_PRESETS = {
@@ -688,6 +689,17 @@ def test_spg_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
     assert run_recipe("spg", module.RECIPE, argv) == 0
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_mdpo_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """MDPO's recipe (full fine-tuning, RCR rollouts, every step rewarded, k2 KL) on a tiny model, on Countdown (a
+    procedural task) instead of MATH (a download)."""
+    module = load_example("mdpo_math")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += ["--dataset_name", "countdown", *TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4"]
+    argv += ["--gradient_accumulation_steps", "1", "--num_generations", "4", "--sample_train_steps", "2"]
+    assert run_recipe("mdpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize(

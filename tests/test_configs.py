@@ -26,6 +26,7 @@ from trl_diffusion.trainer import (
     ESPOConfig,
     JustGRPOConfig,
     LFPOConfig,
+    MDPOConfig,
     SequenceELBOConfig,
     SPGConfig,
     TraceRLConfig,
@@ -40,7 +41,7 @@ from helpers import cli_args, cpu_argv
 GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 SAMPLER_ADDITIONS = {"block_length", "cfg_scale", "defer_terminators", "diffusion_steps", "early_stop"}
 SAMPLER_ADDITIONS |= {"eos_rejection_max", "eos_rejection_min", "generation_cache", "remasking", "schedule"}
-SAMPLER_ADDITIONS |= {"running_confidence", "threshold"}
+SAMPLER_ADDITIONS |= {"running_confidence", "tempered_confidence", "threshold"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +332,29 @@ SPECS = {
         ),
         values={"kl_estimator": "k2", "elbo_region": "canvas", "temperature": 1.0},
     ),
+    # MDPO: the README's command (T 0.4, k2 KL 0.02, lr 7e-7, GA 16, one block of 512, 128 steps), RCR rollouts.
+    MDPOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"sample_train_steps", "reward_step_stride", "states_per_forward", "temperature", "beta"})
+        | {"learning_rate", "gradient_accumulation_steps", "use_bias_correction_kl", "max_prompt_length"}
+        | {"block_length", "diffusion_steps", "running_confidence", "tempered_confidence"},
+        defaults=dict(
+            sample_train_steps=8,
+            reward_step_stride=1,
+            states_per_forward=8,
+            temperature=0.4,
+            beta=0.02,
+            learning_rate=7e-7,
+            gradient_accumulation_steps=16,
+            use_bias_correction_kl=False,
+            max_prompt_length=320,
+            block_length=512,
+            diffusion_steps=128,
+            running_confidence=True,
+            tempered_confidence=True,
+            scale_rewards="group",
+        ),
+    ),
     DiffusionSFTConfig: Spec(
         parent=SFTConfig,
         changes=frozenset({"completion_only_loss", "mask_token_id", "max_completion_length", "max_length"})
@@ -385,6 +409,11 @@ CLI_VALUES = {
     "timestep_eps": 0.01,
     "p_mask_prompt": 0.3,
     "max_consecutive_failed_reward_steps": 3,
+    # MDPO
+    "sample_train_steps": 4,
+    "reward_step_stride": 2,
+    "states_per_forward": 4,
+    "gradient_accumulation_steps": 2,
     # GRPOConfig fields whose default a config changes.
     "loss_type": "grpo",
     "epsilon": 0.3,
@@ -503,7 +532,8 @@ def test_every_new_field_parses_from_the_command_line(config_class, tmp_path):
     assert fields
     expected, separate = {}, {}
     for f in fields:
-        if f.name in SEPARATE_CLI_VALUES:
+        # A field whose separate value is this class's default (MDPO's RCR) is flipped with the others instead.
+        if f.name in SEPARATE_CLI_VALUES and SEPARATE_CLI_VALUES[f.name][0] != f.default:
             separate[f.name] = SEPARATE_CLI_VALUES[f.name][0]
             continue
         value = non_default_value(config_class, f)

@@ -410,6 +410,69 @@ def test_running_confidence_remasking_equals_its_definition(tiny_llama, tiny_tok
     assert not torch.equal(without.completion_ids, output.completion_ids)
 
 
+def mdpo_rcr_by_hand(model, adapter, prompt: list[int], length: int, steps: int, temperature: float, key):
+    """MDPO's `diffusion_generate` with `rcr=True` for one prompt and one block, written as its code does it: each step
+    samples every masked position from `softmax(logits / T)` (here at the package's counter-based uniform of the
+    position, so that both draw the same tokens), commits all of them with their tempered probability as running
+    confidence, then, but at the last step, masks again the positions of lowest running confidence until the
+    schedule's remaining count is masked."""
+    from trl_diffusion.generation.noise import PROPOSAL, counter_uniform, sample_categorical
+
+    mask = adapter.mask_token_id
+    canvas, running = torch.full((length,), mask), torch.zeros(length)
+    counts = num_transfer_tokens(torch.tensor([length]), steps)[0]
+    for step in range(steps):
+        logits = adapter.logits(model, torch.tensor([prompt + canvas.tolist()]))[0, len(prompt) :].float()
+        logits[:, mask] = -math.inf
+        masked = (canvas == mask).nonzero().squeeze(1)
+        uniform = counter_uniform(key.expand(len(masked)), step, masked, length, PROPOSAL, torch.float64)
+        tokens = sample_categorical(logits[masked], temperature, uniform)
+        probabilities = (logits[masked] / temperature).softmax(-1)
+        canvas[masked] = tokens
+        running[masked] = probabilities.gather(-1, tokens[:, None])[:, 0]
+        if step < steps - 1:
+            # Ties (improbable) break towards the lowest position, as the sampler's stable sort keeps the lowest.
+            order = sorted(range(length), key=lambda position: (running[position].item(), -position))
+            canvas[order[: int(counts[step + 1 :].sum())]] = mask
+    return canvas
+
+
+def test_tempered_running_confidence_equals_mdpos_code(tiny_llama, tiny_tokenizer, chat_prompts):
+    """`running_confidence` with `tempered_confidence`, sampled, one block: the sampler equals MDPO's RCR written as its
+    code runs it (commit every masked position, mask the least confident again), each prompt alone; the untempered
+    confidence decodes otherwise."""
+    from trl_diffusion.generation.features import TemperedProbabilityConfidence
+    from trl_diffusion.generation.noise import row_keys
+
+    model = sharpened(tiny_llama)
+    adapter = DiffusionAdapter.from_model(model, tiny_tokenizer)
+    temperature = 1.5
+    config = DiffusionGenerationConfig(
+        max_completion_length=8,
+        block_length=8,
+        diffusion_steps=4,
+        temperature=temperature,
+        running_confidence=True,
+        tempered_confidence=True,
+    )
+    assert isinstance(config.decoding().confidence, TemperedProbabilityConfidence)
+    differs = []
+    for row, (ids, attention) in enumerate(zip(chat_prompts["input_ids"], chat_prompts["attention_mask"])):
+        prompt = ids[attention.bool()]
+        generator = torch.Generator().manual_seed(10 + row)
+        output = generate(model, prompt[None], generation_config=config, adapter=adapter, generator=generator)
+        key = row_keys(torch.Generator().manual_seed(10 + row), 1, prompt.device)
+        expected = mdpo_rcr_by_hand(model, adapter, prompt.tolist(), 8, 4, temperature, key)
+        assert output.completion_ids[0].tolist() == expected.tolist(), row
+        untempered = dataclasses.replace(config, tempered_confidence=False)
+        generator = torch.Generator().manual_seed(10 + row)
+        other = generate(model, prompt[None], generation_config=untempered, adapter=adapter, generator=generator)
+        differs.append(not torch.equal(other.completion_ids, output.completion_ids))
+    assert any(differs)
+    margin = dataclasses.replace(config, remasking="margin")
+    assert not isinstance(margin.decoding().confidence, TemperedProbabilityConfidence)  # read by low_confidence only
+
+
 @pytest.mark.parametrize(
     ("changes", "match"), [(dict(threshold=0.9), "threshold"), (dict(stop_patience=2), "stop_patience")]
 )

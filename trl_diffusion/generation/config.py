@@ -103,6 +103,17 @@ class DiffusionGenerationConfig:
             position's last commit and the output's `remasks_committed` says whether any was put back (the
             trajectory trainers, whose states are rebuilt from the commit steps, refuse it). Excludes `threshold`
             and `stop_patience`.
+        tempered_confidence (`bool`, defaults to `False`):
+            Score `remasking="low_confidence"` at the sampling temperature: the confidence of a proposal is its
+            probability under `softmax(logits / temperature)`, the distribution it was drawn from, as MDPO's code
+            scores it (and so its running confidence under `running_confidence`); off, the untempered probability
+            (LLaDA's). Only `remasking="low_confidence"` reads it; no effect when greedy (`temperature=0`).
+        record_predictions (`bool`, defaults to `False`):
+            Record, at every step, the completion that went into it, the step's prediction of the whole completion
+            (the proposals at the positions it proposed for, the state elsewhere) and each proposal's log-probability
+            (`step_states`, `step_predictions`, `step_logprobs` of [`DiffusionGenerationOutput`]), as MDPO needs.
+            Costs three `(batch, L)` tensors per step and a log-softmax over each step's proposals; the decoding is
+            the same with and without it.
         record_commit_logprobs (`bool`, defaults to `False`):
             Record, for every committed position, the log-probability of its token and the entropy of the
             distribution it was drawn from at its step (`commit_logprob`, `commit_entropy` and `commit_sampled` of
@@ -219,6 +230,20 @@ class DiffusionGenerationConfig:
         metadata={
             "help": "MDPO's Running-Confidence Remasking: rank a block's committed tokens (at their commit "
             "confidence) with its new proposals each step and put the least confident back to the mask token."
+        },
+    )
+    tempered_confidence: bool = field(
+        default=False,
+        metadata={
+            "help": "Score low_confidence at the sampling temperature, the probability under softmax(logits / "
+            "temperature) the proposal was drawn from (MDPO's code)."
+        },
+    )
+    record_predictions: bool = field(
+        default=False,
+        metadata={
+            "help": "Return every step's input completion, its prediction of the whole completion and the "
+            "proposals' log-probabilities (`step_states`, `step_predictions`, `step_logprobs`), for MDPO."
         },
     )
     record_commit_logprobs: bool = field(
@@ -435,10 +460,16 @@ class DiffusionGenerationConfig:
             feature_list.append(features.RunningConfidence())
         if self.record_commit_logprobs:
             feature_list.append(features.RecordCommitLogprobs(self.temperature))
+        if self.record_predictions:
+            feature_list.append(features.RecordPredictions(self.temperature))
         if self.early_stop:
             feature_list.append(features.EarlyStop())
         if self.stop_patience is not None:
             feature_list.append(features.StopPatience(self.stop_patience, self.cfg_scale))
         if self.record_steps is not None:
             feature_list.append(features.RecordSteps(self.record_steps))
-        return features.Decoding(proposer, features.CONFIDENCES[self.remasking](), feature_list)
+        if self.tempered_confidence and self.remasking == "low_confidence" and self.temperature > 0:
+            confidence = features.TemperedProbabilityConfidence(self.temperature)
+        else:
+            confidence = features.CONFIDENCES[self.remasking]()
+        return features.Decoding(proposer, confidence, feature_list)

@@ -180,6 +180,17 @@ class RandomConfidence(Confidence):
         return _candidate_uniform(state, RANDOM_CONFIDENCE, torch.float32)
 
 
+@dataclass
+class TemperedProbabilityConfidence(Confidence):
+    """`remasking="low_confidence"` with `tempered_confidence`: the probability of the proposed token under
+    `softmax(logits / temperature)`, the distribution it was drawn from (MDPO's code scores its running confidence so)."""
+
+    temperature: float
+
+    def score(self, state, logits, tokens):
+        return (logits / self.temperature).softmax(dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
 class EntropyConfidence(Confidence):
     """`remasking="entropy"`: the negative entropy of the prediction (higher is more confident)."""
 
@@ -407,6 +418,41 @@ class StopPatience(DecodingFeature):
         state.completion.copy_(torch.where(fill, self.prediction, state.completion))
         state.commit_step.masked_fill_(fill, state.step)
         return done | stable
+
+
+@dataclass
+class RecordPredictions(DecodingFeature):
+    """`record_predictions`: at every step, the canvas that went into it (the state), the step's prediction of the
+    whole completion (each proposed position's proposal, the state elsewhere) and the log-probability of each proposal
+    under the distribution it was drawn from (MDPO's per-step predictions, which no commit step can rebuild: the
+    proposals that were not committed are gone after the step)."""
+
+    temperature: float
+    states: list = field(default_factory=list, repr=False)
+    predictions: list = field(default_factory=list, repr=False)
+    logprobs: list = field(default_factory=list, repr=False)
+
+    def setup(self, state):
+        self.states, self.predictions, self.logprobs = [], [], []
+
+    def read_logits(self, state, logits):
+        # The step's input, before any commit or remask of the step.
+        self.states.append(state.completion.clone())
+
+    def on_commit(self, state, commit):
+        candidates, mask = commit.candidates, state.mask_token_id
+        proposals = candidates.scatter(commit.tokens, mask, state.completion)
+        self.predictions.append(torch.where(proposals != mask, proposals, self.states[-1]))
+        log_probs = commit.logits.div(self.temperature or 1.0).log_softmax(dim=-1)
+        logprob = log_probs.gather(-1, commit.tokens[..., None]).squeeze(-1)
+        self.logprobs.append(candidates.scatter(logprob, 0.0, state.completion.float()))
+
+    def finish(self, state, outputs):
+        outputs.update(
+            step_states=torch.stack(self.states, dim=1),
+            step_predictions=torch.stack(self.predictions, dim=1),
+            step_logprobs=torch.stack(self.logprobs, dim=1),
+        )
 
 
 @dataclass

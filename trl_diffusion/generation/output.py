@@ -43,6 +43,15 @@ class DiffusionGenerationOutput:
         commit_sampled (`torch.BoolTensor` of shape `(batch, max_completion_length)`, *optional*):
             With `record_commit_logprobs`: True where the token was drawn from its step's distribution, False where
             it was filled without sampling (the EOS fill of `early_stop`, the prediction fill of `stop_patience`).
+        step_states (`torch.LongTensor` of shape `(batch, steps, max_completion_length)`, *optional*):
+            With `record_predictions`: the completion that went into each step (a row's final completion at the steps
+            after it finished).
+        step_predictions (`torch.LongTensor` of shape `(batch, steps, max_completion_length)`, *optional*):
+            With `record_predictions`: each step's prediction of the whole completion, the step's proposal at every
+            position it proposed for (the masked positions of the row's current block) and the state elsewhere.
+        step_logprobs (`torch.FloatTensor` of shape `(batch, steps, max_completion_length)`, *optional*):
+            With `record_predictions`: the float32 log-probability of each proposal under the distribution it was
+            drawn from (as `commit_logprob`), 0 where the step proposed nothing.
         remasks_committed (`bool`, defaults to `False`):
             Whether the sampler ever put a committed position back to the mask token (only `running_confidence`
             does). When False, `commit_step` (one commit per position) rebuilds every intermediate state; a trainer
@@ -60,6 +69,9 @@ class DiffusionGenerationOutput:
     commit_logprob: torch.FloatTensor | None = None
     commit_entropy: torch.FloatTensor | None = None
     commit_sampled: torch.BoolTensor | None = None
+    step_states: torch.LongTensor | None = None
+    step_predictions: torch.LongTensor | None = None
+    step_logprobs: torch.FloatTensor | None = None
     remasks_committed: bool = False
 
     def sequence_at(self, step: int | torch.Tensor) -> torch.LongTensor:

@@ -74,6 +74,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "agrpo_trainer.AGRPOTrainer",
         "AGRPO / EGSPO: Monte Carlo over denoising steps (entropy-weighted), ratios against the sampler",
     ),
+    "mdpo": (
+        "mdpo_config.MDPOConfig",
+        "mdpo_trainer.MDPOTrainer",
+        "MDPO: every step's prediction rewarded, PPO on the one-step denoiser along the schedule, RCR rollouts",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

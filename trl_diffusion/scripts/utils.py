@@ -219,10 +219,11 @@ def _field_group(dtype: type, name: str) -> tuple[int, str]:
         return 0, f"{dtype.__name__}: {getattr(dtype, 'help_group', 'dataset, rewards, evaluation, launch')}"
     owner = next(cls for cls in dtype.__mro__ if name in inspect.get_annotations(cls))
     if owner.__module__.startswith("trl_diffusion."):
-        from ..trainer.base_config import DiffusionRLConfig, MaskTokenConfig
+        from ..trainer.base_config import SAMPLER_FIELDS, DiffusionRLConfig, MaskTokenConfig
 
-        # The mask token is a setting of the rollouts where there are rollouts.
-        if owner is DiffusionRLConfig or (owner is MaskTokenConfig and issubclass(dtype, DiffusionRLConfig)):
+        # The mask token and the sampler settings stay with the rollouts' settings, whichever config sets a default.
+        rollout_setting = owner is MaskTokenConfig or name in SAMPLER_FIELDS
+        if owner is DiffusionRLConfig or (rollout_setting and issubclass(dtype, DiffusionRLConfig)):
             return 1, "diffusion sampler and rollouts (DiffusionRLConfig)"
         return 2, f"{dtype.__name__}: the algorithm's settings"
     if owner.__module__.startswith("trl."):

@@ -24,6 +24,8 @@ from .just_grpo_config import JustGRPOConfig
 from .just_grpo_trainer import JustGRPOTrainer
 from .lfpo_config import LFPOConfig, lfpo_inference_config
 from .lfpo_trainer import LFPOTrainer
+from .mdpo_config import MDPOConfig
+from .mdpo_trainer import MDPOTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .sft_config import DiffusionSFTConfig

@@ -212,6 +212,7 @@ class DiffusionRLConfig(MaskTokenConfig, CheckedConfig, GRPOConfig):
     eos_rejection_min: float | None = sampler_field("eos_rejection_min")
     eos_rejection_max: float = sampler_field("eos_rejection_max")
     running_confidence: bool = sampler_field("running_confidence")
+    tempered_confidence: bool = sampler_field("tempered_confidence")
     generation_cache: str | None = sampler_field(
         "generation_cache",
         default=None,

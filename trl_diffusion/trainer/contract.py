@@ -66,6 +66,7 @@ OBJECTIVES = (
     "trl_diffusion.trainer.trajectory_trainer:TrajectoryRLTrainer",
     "trl_diffusion.trainer.just_grpo_trainer:JustGRPOTrainer",
     "trl_diffusion.trainer.lfpo_trainer:LFPOTrainer",
+    "trl_diffusion.trainer.mdpo_trainer:MDPOTrainer",
 )
 METRICS = tuple(
     f"trl_diffusion.tasks.metrics:{name}"
@@ -128,8 +129,10 @@ CONTRACT: tuple[UpstreamName, ...] = (
     UpstreamName(GRPO, "_calculate_rewards", OVERRIDE, (MIXIN,),
                  "infinite rewards unscored, failing reward functions counted, the rewards handed to `_score_rollouts`",
                  ("self", "inputs", "prompts", "completions", "completion_ids_list")),
-    UpstreamName(GRPO, "_calculate_rewards", CALL, ("trl_diffusion.trainer.agrpo_trainer",),
-                 "AGRPO scores its look-ahead completions with TRL's rewards, without the rollout bookkeeping",
+    UpstreamName(GRPO, "_calculate_rewards", CALL, ("trl_diffusion.trainer.agrpo_trainer",
+                                                     "trl_diffusion.trainer.mdpo_trainer"),
+                 "AGRPO's look-ahead completions and MDPO's per-step predictions scored with TRL's rewards, without "
+                 "the rollout bookkeeping",
                  ("self", "inputs", "prompts", "completions", "completion_ids_list")),
     UpstreamName(GRPO, "_generate_and_score_completions", OVERRIDE, (MIXIN,),
                  "one rollout round: the handoff, the canvas on the batch, `_score_rollouts`", ("self", "inputs")),
