@@ -158,3 +158,28 @@ def test_markers_are_checked(tmp_path):
     page.write_text('text\n<!-- docs-test: continue substitute="1=>2" -->\n```python\nprint(1)\n```\n')
     (block,) = page_blocks(page)
     assert block.options == {"continue"} and block.substitutions == [("1", "2")] and block.code == "print(1)\n"
+
+
+def rl_trainer_classes():
+    from trl_diffusion import DiffusionRLTrainer
+    from trl_diffusion.scripts.registry import TRAINING_COMMANDS, trainer_classes
+
+    classes = [trainer_classes(name)[1] for name in TRAINING_COMMANDS]
+    return [cls for cls in classes if issubclass(cls, DiffusionRLTrainer)]
+
+
+@pytest.mark.parametrize("trainer_class", rl_trainer_classes(), ids=lambda cls: cls.__name__)
+def test_trainer_docstring_sketch_builds_its_own_trainer(trainer_class):
+    """The sketch `trainer_example` writes parses, and builds this trainer from its own config class."""
+    import ast
+    import inspect
+
+    doc = inspect.getdoc(trainer_class)
+    config_name = trainer_class.config_class.__name__
+    assert f"with [`{config_name}`] as `args`." in doc
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    tree = ast.parse(code)
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert {config_name, trainer_class.__name__} <= imported
+    calls = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert {config_name, trainer_class.__name__} <= calls

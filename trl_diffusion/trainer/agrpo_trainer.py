@@ -1,8 +1,5 @@
 import torch
-from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 
-from ..generation import cut_at_terminator
 from ..trajectory import (
     TrajectoryPlan,
     TransitionSelection,
@@ -13,6 +10,7 @@ from ..trajectory import (
 from ..trajectory import trajectory_plan as plan_of
 from .agrpo_config import AGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+from .utils import trainer_example
 
 # TRL's epsilon under the standard deviation that scales the advantages.
 STD_EPSILON = 1e-4
@@ -62,6 +60,7 @@ def stepwise_advantages(
     return advantages.view(-1, slots)
 
 
+@trainer_example('output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128')
 class AGRPOTrainer(TrajectoryRLTrainer, name="AGRPO", tags=("agrpo",), paper="2510.04019"):
     r"""AGRPO (Amortized GRPO): the policy gradient of the denoising Markov chain, estimated by Monte Carlo over its
     steps; with EGSPO's options (entropy-guided top-K steps, step-level ratios, EGSPO-SA's look-ahead returns).
@@ -83,18 +82,6 @@ class AGRPOTrainer(TrajectoryRLTrainer, name="AGRPO", tags=("agrpo",), paper="25
     `loss = (1/(M G)) sum_i sum_m w_{i,m} sum_{n in D_{k_m}} -min(rho_n A_i, clip(rho_n, 1 +- 0.2) A_i)` per process.
     The package's engineering stays (chunks of states back-propagated piece by piece, a step drawn several times
     scored once with its weights added, the keyed generators): it changes no value.
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`AGRPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import AGRPOConfig, AGRPOTrainer
-
-    args = AGRPOConfig(output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128)
-    trainer = AGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = AGRPOConfig
@@ -146,17 +133,7 @@ class AGRPOTrainer(TrajectoryRLTrainer, name="AGRPO", tags=("agrpo",), paper="25
             slot_valid[row, : len(chosen)] = True
         rows = torch.arange(num_rows, device=device).repeat_interleave(slots)
         fills = self.greedy_fills(inputs, rows, slot_transition.flatten())
-        completion_ids = cut_at_terminator(fills, self.eos_token_ids)
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        examples = [self._handoff.examples[row] for row in rows.tolist()]
-        prompts = [example["prompt"] for example in examples]
-        if is_conversational(examples[0]):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-        # TRL's reward computation (gathered over processes), without the rollout bookkeeping of the override.
-        rewards_per_func = GRPOTrainer._calculate_rewards(self, examples, prompts, completions, completion_ids)
-        lookahead = self.weighted_rewards(rewards_per_func)
+        lookahead = self.extra_completion_rewards(fills, rows.tolist())
         advantages = stepwise_advantages(
             self.weighted_rewards(self._handoff.rewards_per_func),
             lookahead.view(-1, slots),

@@ -30,6 +30,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 from trl import GRPOTrainer
+from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, get_config_model_id, pad
 
 from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
@@ -615,6 +616,37 @@ class DiffusionRLTrainer(
                 "so training would learn nothing from it. Fix the reward function, or raise "
                 "`max_consecutive_failed_reward_steps` (None never stops) if it may skip whole batches."
             )
+
+    def weighted_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """TRL's weighted sum of the reward functions per completion, shape `(rows,)`, NaN where none scored it."""
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights[None, :]).nansum(dim=1)
+        return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+
+    @torch.no_grad()
+    def extra_completion_rewards(self, canvases: torch.LongTensor, rows: list[int]) -> torch.Tensor:
+        """The weighted rewards of completions of this rollout round's prompts other than its rollouts (AGRPO's
+        look-ahead fills, MDPO's per-step predictions), gathered over processes, shape `(global n,)`: NaN where no
+        reward function scored one (raised, or returned None, NaN or inf).
+
+        Args:
+            canvases (`torch.LongTensor` of shape `(n, L)`):
+                Completion canvases of this process, cut at their first terminator here.
+            rows (`list[int]`):
+                The index of each canvas's dataset row in the round (`self._handoff.examples`).
+        """
+        completion_ids = cut_at_terminator(canvases, self.eos_token_ids)
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        examples = [self._handoff.examples[row] for row in rows]
+        prompts = [example["prompt"] for example in examples]
+        if is_conversational(examples[0]):
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            completions = texts
+        # TRL's reward computation through the guarded reward functions, without the rollout bookkeeping of the
+        # override (which counts the rollouts' failures and hands their rewards to `_score_rollouts`).
+        rewards_per_func = GRPOTrainer._calculate_rewards(self, examples, prompts, completions, completion_ids)
+        return self.weighted_rewards(rewards_per_func.masked_fill(torch.isinf(rewards_per_func), float("nan")))
 
     def leave_one_out_advantages(
         self, advantages: torch.Tensor, scored_rows: torch.BoolTensor, mode: str

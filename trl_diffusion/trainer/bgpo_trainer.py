@@ -5,8 +5,10 @@ import torch
 from ..masking import MaskPlan
 from .bgpo_config import BGPOConfig
 from .sequence_elbo_trainer import MAX_LOG_RATIO, SequenceELBOTrainer
+from .utils import trainer_example
 
 
+@trainer_example('output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6')
 class BGPOTrainer(SequenceELBOTrainer, name="BGPO", tags=("bgpo",), paper="2510.11683"):
     r"""Boundary-Guided Policy Optimization for masked diffusion language models.
 
@@ -18,18 +20,6 @@ class BGPOTrainer(SequenceELBOTrainer, name="BGPO", tags=("bgpo",), paper="2510.
     samples share one forward (their canvases stacked along the batch dimension) and one backward: the same loss and
     gradient, activation memory of k samples, `ceil(n_t / k)` passes. On-policy (`d_j = 0`) value and gradient equal
     VRPO's. The per-sample backward is the shared layer's `training_step` (see [`DiffusionRLTrainer.loss_pieces`]).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`BGPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import BGPOConfig, BGPOTrainer
-
-    args = BGPOConfig(output_dir="llada-bgpo", num_mc_samples=16, learning_rate=5e-7, temperature=0.6)
-    trainer = BGPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = BGPOConfig

@@ -1,7 +1,9 @@
 from .cj_grpo_config import CJGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+from .utils import trainer_example
 
 
+@trainer_example('output_dir="llada-cj-grpo", max_completion_length=256, block_length=256')
 class CJGRPOTrainer(TrajectoryRLTrainer, name="CJGRPO", tags=("cj-grpo",), paper="2509.23924"):
     r"""CJ-GRPO: GRPO on every transition the sampler made, so that the optimized trajectory is the rollout's.
 
@@ -9,18 +11,6 @@ class CJGRPOTrainer(TrajectoryRLTrainer, name="CJGRPO", tags=("cj-grpo",), paper
     k3 KL to the reference, and the ascending step-size schedule with EOS early rejection in the sampler). With
     `S_i` transitions in sample i and `D_{i,k}` the tokens its step k committed:
     `loss = (1/B) sum_i (1/S_i) sum_k mean_{n in D_{i,k}} [-min(rho_n A_i, clip(rho_n, 1 +- 0.5) A_i) + 0.04 k3]`.
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`CJGRPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import CJGRPOConfig, CJGRPOTrainer
-
-    args = CJGRPOConfig(output_dir="llada-cj-grpo", max_completion_length=256, block_length=256)
-    trainer = CJGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = CJGRPOConfig

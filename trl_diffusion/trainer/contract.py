@@ -129,10 +129,9 @@ CONTRACT: tuple[UpstreamName, ...] = (
     UpstreamName(GRPO, "_calculate_rewards", OVERRIDE, (MIXIN,),
                  "infinite rewards unscored, failing reward functions counted, the rewards handed to `_score_rollouts`",
                  ("self", "inputs", "prompts", "completions", "completion_ids_list")),
-    UpstreamName(GRPO, "_calculate_rewards", CALL, ("trl_diffusion.trainer.agrpo_trainer",
-                                                     "trl_diffusion.trainer.mdpo_trainer"),
-                 "AGRPO's look-ahead completions and MDPO's per-step predictions scored with TRL's rewards, without "
-                 "the rollout bookkeeping",
+    UpstreamName(GRPO, "_calculate_rewards", CALL, ("trl_diffusion.trainer.base_trainer",),
+                 "`extra_completion_rewards`: AGRPO's look-ahead completions and MDPO's per-step predictions scored "
+                 "with TRL's rewards, without the rollout bookkeeping",
                  ("self", "inputs", "prompts", "completions", "completion_ids_list")),
     UpstreamName(GRPO, "_generate_and_score_completions", OVERRIDE, (MIXIN,),
                  "one rollout round: the handoff, the canvas on the batch, `_score_rollouts`", ("self", "inputs")),

@@ -4,8 +4,14 @@ from ..likelihood import coupled_token_scores
 from ..masking import sample_complementary_masks
 from .coupled_grpo_config import CoupledGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
+from .utils import trainer_example
 
 
+@trainer_example(
+    'output_dir="diffucoder-coupled-grpo", num_iterations=2, num_generations=10',
+    model="apple/DiffuCoder-7B-Instruct",
+    reward="my_code_reward",
+)
 class CoupledGRPOTrainer(
     TokenLossTrainer, name="CoupledGRPO", tags=("diffucoder", "coupled-grpo"), paper="2506.20639"
 ):
@@ -22,18 +28,6 @@ class CoupledGRPOTrainer(
     current inner iteration's), this trainer defines only the scores (`token_scores`); relative to
     [`DiffuGRPOTrainer`], the per-token estimate changes (d1's one fully masked pass, prompt randomly masked) and
     nothing else.
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`CoupledGRPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import CoupledGRPOConfig, CoupledGRPOTrainer
-
-    args = CoupledGRPOConfig(output_dir="diffucoder-coupled-grpo", num_iterations=2, num_generations=10)
-    trainer = CoupledGRPOTrainer("apple/DiffuCoder-7B-Instruct", my_code_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = CoupledGRPOConfig

@@ -1,6 +1,7 @@
 from ..likelihood import mean_field_logprobs
 from .diffu_grpo_config import DiffuGRPOConfig
 from .token_loss_trainer import TokenLossTrainer
+from .utils import trainer_example
 
 
 def d1_logprobs(
@@ -24,6 +25,7 @@ def d1_logprobs(
     )
 
 
+@trainer_example('output_dir="llada-d1", num_iterations=12, num_generations=6', lora=True)
 class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-grpo"), paper="2504.12216"):
     r"""d1's diffu-GRPO: TRL's token-level GRPO loss on one-pass "mean-field" log-probabilities.
 
@@ -33,20 +35,6 @@ class DiffuGRPOTrainer(TokenLossTrainer, name="DiffuGRPO", tags=("d1", "diffu-gr
     every `loss_type`, entropy masking, metrics) is TRL's `GRPOTrainer`: relative to [`DiffusionRLTrainer`], this
     trainer defines only the per-token log-probabilities TRL's loss reads (`token_scores`; [`TokenLossTrainer`]
     stores the old and reference ones and hands TRL the current inner iteration's).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`DiffuGRPOConfig`].
-
-    Example:
-
-    ```python
-    from peft import LoraConfig
-    from trl_diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
-
-    args = DiffuGRPOConfig(output_dir="llada-d1", num_iterations=12, num_generations=6)
-    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
-    trainer = DiffuGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
-    trainer.train()
-    ```
     """
 
     config_class = DiffuGRPOConfig

@@ -6,8 +6,10 @@ from ..masking import MaskPlan
 from ..models.adapter import DiffusionAdapter, unwrap_model
 from .ebpo_config import EBPOConfig
 from .espo_trainer import ESPOTrainer
+from .utils import trainer_example
 
 
+@trainer_example('output_dir="sdar-ebpo", block_length=4, num_mc_samples=16', model="JetLM/SDAR-8B-Chat")
 class EBPOTrainer(ESPOTrainer, name="EBPO", tags=("ebpo",), paper="2602.08676"):
     r"""ELBO-based Block-level Policy Optimization (LLaDA2.1's RL objective) for block-causal diffusion models (SDAR /
     TraDo, LLaDA2.x).
@@ -26,18 +28,6 @@ class EBPOTrainer(ESPOTrainer, name="EBPO", tags=("ebpo",), paper="2602.08676"):
     memory flat in N, at the cost of N more forward passes per micro-batch). It refuses bidirectional models: the
     per-block law and the composite forward need a block-causal one. Evaluation computes the loss in one graph
     (VRPO's `_compute_loss`).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`EBPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import EBPOConfig, EBPOTrainer
-
-    args = EBPOConfig(output_dir="sdar-ebpo", block_length=4, num_mc_samples=16)
-    trainer = EBPOTrainer("JetLM/SDAR-8B-Chat", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = EBPOConfig

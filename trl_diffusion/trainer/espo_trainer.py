@@ -3,9 +3,11 @@ import math
 import torch
 
 from .espo_config import ESPOConfig
+from .utils import trainer_example
 from .vrpo_trainer import VRPOTrainer
 
 
+@trainer_example('output_dir="llada-espo", beta=1e-3', lora=True)
 class ESPOTrainer(VRPOTrainer, name="ESPO", tags=("espo",), paper="2512.03759"):
     r"""ELBO-based Sequence-level Policy Optimization for masked diffusion language models.
 
@@ -17,20 +19,6 @@ class ESPOTrainer(VRPOTrainer, name="ESPO", tags=("espo",), paper="2512.03759"):
     This is [`VRPOTrainer`]'s sequence-ratio objective under ESPO's settings ([`ESPOConfig`]: coupled masks,
     clipping on, leave-one-out advantages, `num_iterations=8`): the only change w.r.t. `VRPOTrainer` is
     `sequence_kl`, which adds the k1 and k3 estimators for ablations (`kl_estimator`).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`ESPOConfig`].
-
-    Example:
-
-    ```python
-    from peft import LoraConfig
-    from trl_diffusion import ESPOConfig, ESPOTrainer
-
-    args = ESPOConfig(output_dir="llada-espo", beta=1e-3)
-    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
-    trainer = ESPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
-    trainer.train()
-    ```
     """
 
     config_class = ESPOConfig

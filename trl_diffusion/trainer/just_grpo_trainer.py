@@ -5,8 +5,10 @@ import torch
 from ..likelihood import autoregressive_logprobs
 from .base_trainer import DiffusionRLTrainer
 from .just_grpo_config import JustGRPOConfig
+from .utils import trainer_example
 
 
+@trainer_example('output_dir="just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6')
 class JustGRPOTrainer(DiffusionRLTrainer, name="JustGRPO", tags=("just-grpo",), paper="2601.15165"):
     r"""JustGRPO ("The Flexibility Trap"): plain GRPO on a diffusion model run autoregressively during RL.
 
@@ -50,18 +52,6 @@ class JustGRPOTrainer(DiffusionRLTrainer, name="JustGRPO", tags=("just-grpo",), 
     the code's scale exactly on one process. A rollout batch split into S micro-batches (`steps_per_generation`)
     divides by `N_valid / S`, the mean per micro-batch, and the micro-batches are not divided by the accumulation
     steps: the code sums its accumulation steps, each divided by its own N_valid.
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`JustGRPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import JustGRPOConfig, JustGRPOTrainer
-
-    args = JustGRPOConfig(output_dir="just-grpo", num_generations=16, max_completion_length=256, learning_rate=5e-6)
-    trainer = JustGRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = JustGRPOConfig

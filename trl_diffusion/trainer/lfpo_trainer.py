@@ -14,7 +14,7 @@ from ..masking import completion_region
 from ..seeding import LFPO_STATES, keyed_generator
 from .base_trainer import DiffusionRLTrainer
 from .lfpo_config import LFPOConfig
-from .utils import local_or_full, zero3_gathered
+from .utils import local_or_full, trainer_example, zero3_gathered
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def lfpo_state_masks(
     return masks.to(commit_step.device)
 
 
+@trainer_example('output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0')
 class LFPOTrainer(DiffusionRLTrainer, name="LFPO", tags=("lfpo",), paper="2603.01563"):
     r"""Likelihood-Free Policy Optimization for masked diffusion language models.
 
@@ -82,18 +83,6 @@ class LFPOTrainer(DiffusionRLTrainer, name="LFPO", tags=("lfpo",), paper="2603.0
     The old policy is an exponential moving average of the trained one (a second PEFT adapter, or a weight copy
     without PEFT), updated once per rollout round; it generates the rollouts. (row, state) pairs are processed in
     groups, each with its own backward, so memory does not grow with K.
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`LFPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import LFPOConfig, LFPOTrainer
-
-    args = LFPOConfig(output_dir="llada-lfpo", lfpo_num_states=8, contrastive_beta=1.0)
-    trainer = LFPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = LFPOConfig

@@ -7,13 +7,11 @@ import math
 from collections.abc import Iterator
 
 import torch
-from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 
-from ..generation import cut_at_terminator
 from ..trajectory import state_logprobs
 from .base_trainer import DiffusionRLTrainer
 from .mdpo_config import MDPOConfig
+from .utils import trainer_example
 
 # TRL's (and MDPO's) epsilon under the standard deviation that scales the advantages.
 STD_EPSILON = 1e-4
@@ -60,6 +58,7 @@ def top_steps(advantages: torch.Tensor, k: int) -> torch.LongTensor:
     return advantages.abs().sum(dim=0).topk(min(k, advantages.shape[1])).indices
 
 
+@trainer_example('output_dir="llada-mdpo", max_completion_length=512, diffusion_steps=128')
 class MDPOTrainer(DiffusionRLTrainer, name="MDPO", tags=("mdpo",), paper="2508.13148"):
     r"""MDPO (Masked Diffusion Policy Optimization): the one-step denoiser trained along the inference schedule, with
     every intermediate prediction rewarded.
@@ -85,18 +84,6 @@ class MDPOTrainer(DiffusionRLTrainer, name="MDPO", tags=("mdpo",), paper="2508.1
     `(1/K) sum_t sum_{i, n} c_n l_n / sum_i |M_{i,t}|` over its K kept steps (MDPO's `sum(loss * mask * conf) /
     sum(mask)` per step, the sum over the micro-batch on every process), divided by the gradient accumulation
     steps. `loss_pieces` back-propagates `states_per_forward` states at a time (`backward_in_pieces`).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`MDPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import MDPOConfig, MDPOTrainer
-
-    args = MDPOConfig(output_dir="llada-mdpo", max_completion_length=512, diffusion_steps=128)
-    trainer = MDPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = MDPOConfig
@@ -127,27 +114,12 @@ class MDPOTrainer(DiffusionRLTrainer, name="MDPO", tags=("mdpo",), paper="2508.1
         """The steps whose predictions are rewarded: every `reward_step_stride`-th, counted back from the last."""
         return torch.arange(num_steps - 1, -1, -self.args.reward_step_stride, device=device).flip(0)
 
-    @torch.no_grad()
     def prediction_rewards(self, predictions: torch.Tensor) -> torch.Tensor:
         """The weighted reward of each (row, step) prediction `(B, K, L)` of this process, gathered over processes,
         shape `(global B, K)`; NaN where no reward function scored it (raised, or returned None, NaN or inf)."""
         num_rows, num_steps, _ = predictions.shape
-        completion_ids = cut_at_terminator(predictions.flatten(0, 1), self.eos_token_ids)
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        examples = [self._handoff.examples[row] for row in range(num_rows) for _ in range(num_steps)]
-        prompts = [example["prompt"] for example in examples]
-        if is_conversational(examples[0]):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-        # TRL's reward computation through the guarded reward functions, without the rollout bookkeeping of the
-        # override (which reads the final completions' rewards).
-        rewards_per_func = GRPOTrainer._calculate_rewards(self, examples, prompts, completions, completion_ids)
-        rewards_per_func = rewards_per_func.masked_fill(torch.isinf(rewards_per_func), math.nan)
-        weights = self.reward_weights.to(rewards_per_func.device)
-        rewards = (rewards_per_func * weights[None, :]).nansum(dim=1)
-        rewards = rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
-        return rewards.view(-1, num_steps)
+        rows = [row for row in range(num_rows) for _ in range(num_steps)]
+        return self.extra_completion_rewards(predictions.flatten(0, 1), rows).view(-1, num_steps)
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         records = self.recorded_steps()

@@ -4,8 +4,10 @@ from ..likelihood import eubo_token_mean, view_logprobs
 from ..masking import MaskPlan, completion_region, length_normalizer, spg_code_views
 from .sequence_elbo_trainer import SequenceELBOTrainer
 from .spg_config import SPG_CODE_P_MASK_PROMPT, SPGConfig
+from .utils import trainer_example
 
 
+@trainer_example('output_dir="llada-spg", num_iterations=4, num_generations=6, eubo_beta=1.5', lora=True)
 class SPGTrainer(SequenceELBOTrainer, name="SPG", tags=("spg",), paper="2510.09541"):
     r"""SPG: Sandwiched Policy Gradient for masked diffusion language models.
 
@@ -38,20 +40,6 @@ class SPGTrainer(SequenceELBOTrainer, name="SPG", tags=("spg",), paper="2510.095
     `E = mean_j sum_{M_j} log p / |M_j|` and `U = (1 / beta) mean_n log mean_j [1[n in M_j] p_j(y_n)^beta / t_j]`.
     The loss, its length weights and the keyed masks are the package's. A block-causal model is refused with it (the
     public code is written for a bidirectional model; the composite forward would unmask the later blocks' context).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` an [`SPGConfig`].
-
-    Example:
-
-    ```python
-    from peft import LoraConfig
-    from trl_diffusion import SPGConfig, SPGTrainer
-
-    args = SPGConfig(output_dir="llada-spg", num_iterations=4, num_generations=6, eubo_beta=1.5)
-    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
-    trainer = SPGTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
-    trainer.train()
-    ```
     """
 
     config_class = SPGConfig

@@ -1,7 +1,9 @@
 from .trace_rl_config import TraceRLConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+from .utils import trainer_example
 
 
+@trainer_example('output_dir="llada-trace-rl", max_completion_length=256, block_length=32')
 class TraceRLTrainer(TrajectoryRLTrainer, name="TraceRL", tags=("trace-rl",), paper="2509.06949"):
     r"""TraceRL: PPO on the sampler's own trace, steps merged `transition_grouping` at a time.
 
@@ -10,18 +12,6 @@ class TraceRLTrainer(TrajectoryRLTrainer, name="TraceRL", tags=("trace-rl",), pa
     of a completion's trajectory, is scored on the canvas before its first step, its targets every token those steps
     committed:
     `loss = (1/#transitions) sum_(i, g) mean_{n in D_g} [-min(rho_n A_i, clip(rho_n, 1 +- 0.2) A_i) + 0.01 k3]`.
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`TraceRLConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import TraceRLConfig, TraceRLTrainer
-
-    args = TraceRLConfig(output_dir="llada-trace-rl", max_completion_length=256, block_length=32)
-    trainer = TraceRLTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = TraceRLConfig

@@ -58,7 +58,7 @@ class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
     its most stepped block, not one per step (TraceRL's block training). With `pass_rate_range`, prompts whose group
     pass rate lies outside it are left out of the loss (`pass_kept`).
 
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`TrajectoryRLConfig`].
+    Arguments are those of [`DiffusionRLTrainer`], with [`TrajectoryRLConfig`] as `args`.
     """
 
     config_class = TrajectoryRLConfig
@@ -98,12 +98,6 @@ class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
                 "strategy that keeps committed tokens (low_confidence, random, entropy, margin)."
             )
         return rollout, mask_seeds
-
-    def weighted_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
-        """TRL's weighted sum of the reward functions per completion, shape `(rows,)`, NaN where none scored it."""
-        weights = self.reward_weights.to(rewards_per_func.device)
-        rewards = (rewards_per_func * weights[None, :]).nansum(dim=1)
-        return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
 
     def kept_by_pass_rate(self, rewards: torch.Tensor) -> torch.BoolTensor:
         """Per completion of the gathered batch, whether its prompt's pass rate (completions whose weighted reward is

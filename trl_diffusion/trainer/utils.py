@@ -42,6 +42,51 @@ def local_or_full(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def trainer_example(
+    config_kwargs: str, model: str = "GSAI-ML/LLaDA-8B-Instruct", reward: str = "my_reward", lora: bool = False
+):
+    """Class decorator that ends an RL trainer's docstring with its arguments and a sketch of its use, written from
+    one template (transformers' `add_start_docstrings` pattern).
+
+    Args:
+        config_kwargs (`str`):
+            The arguments of the trainer's `config_class` in the sketch, as source text.
+        model (`str`, *optional*, defaults to `"GSAI-ML/LLaDA-8B-Instruct"`):
+            The Hub id of the model the sketch trains.
+        reward (`str`, *optional*, defaults to `"my_reward"`):
+            The name of the sketch's reward function (the user's).
+        lora (`bool`, *optional*, defaults to `False`):
+            Whether the sketch trains a LoRA adapter (the recipe's setting).
+    """
+
+    def decorate(trainer_class):
+        config, name = trainer_class.config_class.__name__, trainer_class.__name__
+        peft = ", peft_config=lora" if lora else ""
+        code = [
+            *(["from peft import LoraConfig"] if lora else []),
+            f"from trl_diffusion import {config}, {name}",
+            "",
+            f"args = {config}({config_kwargs})",
+            *(['lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")'] if lora else []),
+            f'trainer = {name}("{model}", {reward}, args, train_dataset=dataset{peft})',
+            "trainer.train()",
+        ]
+        section = [
+            f"Arguments are those of [`DiffusionRLTrainer`], with [`{config}`] as `args`.",
+            "",
+            "Example:",
+            "",
+            "```python",
+            *code,
+            "```",
+        ]
+        indented = "\n".join(f"    {line}" if line else "" for line in section)
+        trainer_class.__doc__ = f"{trainer_class.__doc__.rstrip()}\n\n{indented}\n    "
+        return trainer_class
+
+    return decorate
+
+
 class EpochSeededRepeatSampler(RepeatSampler):
     """TRL's `RepeatSampler` whose order in epoch `e` is drawn from `seed + e` (as torch's `DistributedSampler`
     seeds its epochs), set by the Trainer through `set_epoch` at the start of every epoch.

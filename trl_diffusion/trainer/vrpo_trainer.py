@@ -1,9 +1,11 @@
 import torch
 
 from .sequence_elbo_trainer import SequenceELBOTrainer
+from .utils import trainer_example
 from .vrpo_config import VRPOConfig
 
 
+@trainer_example('output_dir="llada-vrpo", num_mc_samples=4')
 class VRPOTrainer(SequenceELBOTrainer, name="VRPO", tags=("vrpo",), paper="2505.19223"):
     r"""Online VRPO for masked diffusion language models (LLaDA 1.5's ELBO estimator in a GRPO loop).
 
@@ -13,18 +15,6 @@ class VRPOTrainer(SequenceELBOTrainer, name="VRPO", tags=("vrpo",), paper="2505.
     until one backward: this is the honest memory baseline that [`BGPOTrainer`] removes. The only change w.r.t.
     [`SequenceELBOTrainer`] is the objective (`_compute_loss`, and `sequence_loss`, the loss as a function of the ELBO
     estimates), which [`ESPOTrainer`] and [`EBPOTrainer`] inherit (a change here changes them).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`VRPOConfig`].
-
-    Example:
-
-    ```python
-    from trl_diffusion import VRPOConfig, VRPOTrainer
-
-    args = VRPOConfig(output_dir="llada-vrpo", num_mc_samples=4)
-    trainer = VRPOTrainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset)
-    trainer.train()
-    ```
     """
 
     config_class = VRPOConfig

@@ -3,6 +3,7 @@ import torch
 from ..masking import completion_region
 from .base_trainer import DiffusionRLTrainer
 from .diffu_grpo_trainer import d1_logprobs
+from .utils import trainer_example
 from .wd1_config import WD1Config
 
 
@@ -35,6 +36,7 @@ def group_weights(
     return weights[0], weights[1]
 
 
+@trainer_example('output_dir="llada-wd1", num_iterations=12, num_generations=6', lora=True)
 class WD1Trainer(DiffusionRLTrainer, name="WD1", tags=("wd1",), paper="2507.08838"):
     r"""wd1: ratio-free weighted likelihood on d1's one-pass (mean-field) log-likelihood.
 
@@ -52,20 +54,6 @@ class WD1Trainer(DiffusionRLTrainer, name="WD1", tags=("wd1",), paper="2507.0883
     accumulation steps, so that an optimizer step's loss is the mean over the groups its rows make up of
     `sum_i (w-_i - w+_i) * Lambda_i`, whatever the split of those rows into micro-batches, accumulation steps and
     processes (wd1's code sums over a micro-batch that is one group, and the processes average: the same value).
-
-    Arguments are those of [`DiffusionRLTrainer`], with `args` a [`WD1Config`].
-
-    Example:
-
-    ```python
-    from peft import LoraConfig
-    from trl_diffusion import WD1Config, WD1Trainer
-
-    args = WD1Config(output_dir="llada-wd1", num_iterations=12, num_generations=6)
-    lora = LoraConfig(r=128, lora_alpha=64, target_modules="all-linear")
-    trainer = WD1Trainer("GSAI-ML/LLaDA-8B-Instruct", my_reward, args, train_dataset=dataset, peft_config=lora)
-    trainer.train()
-    ```
     """
 
     config_class = WD1Config
