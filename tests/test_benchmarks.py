@@ -29,6 +29,8 @@ sys.path.insert(0, str(BENCHMARKS / "gpu"))
 import check  # noqa: E402
 from _common import job_runner, shared_job_runner  # noqa: E402
 
+from trl_diffusion.scripts.registry import TRAINING_COMMANDS  # noqa: E402
+
 from helpers import exit_process, process_id, raise_value_error  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -409,7 +411,9 @@ def test_gpu_check_dry_run(tmp_path):
     gpu = estimate["stages"]
     gpu_args = dict(check.gpu_stage_arguments())
     smoke_runs = check.trainer_smoke.planned_runs(check.trainer_smoke.parse_args(gpu_args["trainers"]))
-    assert gpu["trainers"]["jobs"] == len(smoke_runs) == 15
+    assert (
+        gpu["trainers"]["jobs"] == len(smoke_runs) == len(TRAINING_COMMANDS) + 2
+    )  # every command, and two 4-bit runs
     assert [run for run in smoke_runs if run[1] == "qlora_4bit"] == [("bgpo", "qlora_4bit"), ("sft", "qlora_4bit")]
     sampler_runs = check.throughput.planned_runs(check.throughput.parse_args(gpu_args["throughput"]))
     assert gpu["throughput"]["jobs"] == len(sampler_runs)

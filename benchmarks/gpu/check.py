@@ -24,8 +24,8 @@ initialization for both stages). The time of the whole check on one GPU is estim
 stages' own job lists (`trainer_smoke.planned_runs`, `throughput.planned_runs`, `memory.planned_points`,
 `step_time.planned_runs` and `measured_steps`) and a cost model (fixed costs measured on the CPU machine or
 assumed; GPU work as counted FLOPs at 30% of 750 TFLOP/s of bf16, plus 10 ms of launch overhead per forward pass):
-startup (imports, CUDA, the model's build and save) 26.5 s, trainers 103.4 s, throughput 36.5 s, memory 68.6 s
-(with the shared process's start), step time 52.9 s: 287.9 s in all. Every run (and the dry run) prints it per stage
+startup (imports, CUDA, the model's build and save) 26.5 s, trainers 119.0 s, throughput 15.6 s, memory 68.6 s
+(with the shared process's start), step time 52.9 s: 282.6 s in all. Every run (and the dry run) prints it per stage
 and writes it into `gpu_check.json` (`estimate`). The former sizes (26 trainer-smoke runs, lengths 128 to 512, 5
 memory points, 4 measured steps, a process per stage) came to 524 s by the same model.
 
@@ -81,7 +81,7 @@ STAGES = (
     ("trainers", trainer_smoke.main, ["--qlora-commands", "bgpo", "sft"], ["--commands", "bgpo", "sft"]),
     # Its own launches on every GPU (no --device or --smoke: it has no one-device mode).
     ("multi_gpu", multi_gpu.main, ["--timeout", "300"], None),
-    ("throughput", throughput.main, ["--canvas-lengths", "128", "256"], []),
+    ("throughput", throughput.main, ["--canvas-lengths", "128"], []),
     ("memory", memory.main, ["--points", "1", "8", "32"], ["--trainers", "vrpo", "bgpo"]),
     ("step_time", step_time.main, ["--steps", "1"], ["--trainers", "vrpo", "bgpo"]),
 )
