@@ -374,7 +374,8 @@ class MonteCarloELBOConfig:
             semi-deterministic quadrature over the masking rate, `gauss_2` / `gauss_3` (2 or 3 Gauss-Legendre nodes,
             `num_mc_samples` a multiple of them; biased, see docs/likelihood.md), or SPG's block-wise masking,
             `block` (one block of `block_length` scored per sample, earlier blocks clean, later ones masked: the
-            ELBO of block-by-block decoding).
+            ELBO of block-by-block decoding), or EBPO's `stratified_blocks` (every block masked in every sample,
+            the sizes stratified over all (sample, block) cells from one offset).
         length_norm (`str`, *optional*, defaults to `"canvas"`):
             Divisor N of ELBO differences: `none`, `canvas` (L) or `answer` (answer length).
         timestep_eps (`float`, *optional*, defaults to `1e-3`):

@@ -10,26 +10,10 @@ from .base_config import CompletionRegionConfig, DiffusionRLConfig, MonteCarloEL
 class SequenceELBOConfig(MonteCarloELBOConfig, CompletionRegionConfig, DiffusionRLConfig):
     r"""
     Configuration shared by the trainers whose likelihood proxy is a sequence-level Monte Carlo ELBO (VRPO, BGPO,
-    ESPO): [`DiffusionRLConfig`] plus the estimator and the sequence ratio.
+    ESPO, EBPO, SPG): [`DiffusionRLConfig`] plus the estimator and the sequence ratio.
 
-    Parameters of the Monte Carlo ELBO estimator ([`MonteCarloELBOConfig`] and [`CompletionRegionConfig`]):
-
-        num_mc_samples (`int`, *optional*, defaults to `1`):
-            Monte Carlo samples n_t of the ELBO per completion (pairs for the `coupled` sampler).
-        mask_sampler (`str`, *optional*, defaults to `"stratified"`):
-            How the Monte Carlo masks are drawn: `stratified`, `coupled`, `uniform_t`, `stratified_t`, or GDPO's
-            semi-deterministic quadrature over the masking rate, `gauss_2` / `gauss_3` (2 or 3 Gauss-Legendre nodes,
-            `num_mc_samples` a multiple of them; biased, see docs/likelihood.md), or SPG's block-wise masking,
-            `block` (one block of `block_length` scored per sample, earlier blocks clean, later ones masked: the
-            ELBO of block-by-block decoding), or EBPO's `stratified_blocks` (every block masked in every sample,
-            the sizes stratified over all (sample, block) cells from one offset).
-        elbo_region (`str`, *optional*, defaults to `"canvas"`):
-            Positions masked and scored: `canvas` (all L positions, EOS fill included) or `answer` (up to and
-            including the first terminator).
-        length_norm (`str`, *optional*, defaults to `"canvas"`):
-            Divisor N of ELBO differences: `none`, `canvas` (L) or `answer` (answer length).
-        timestep_eps (`float`, *optional*, defaults to `1e-3`):
-            Smallest timestep of the `uniform_t` and `stratified_t` samplers.
+    The Monte Carlo ELBO estimator's parameters (`num_mc_samples`, `mask_sampler`, `length_norm`, `timestep_eps`,
+    `elbo_region`) are documented with their owners, [`MonteCarloELBOConfig`] and [`CompletionRegionConfig`].
 
     Parameters of the sequence ratio:
 
