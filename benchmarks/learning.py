@@ -271,9 +271,8 @@ def rl_job(job: dict) -> dict:
         use_cpu=job["device"] == "cpu",
         bf16=False,
         seed=seed,
-        beta=BETA[name],
-        **RL_SETTINGS,
-        **job["overrides"],
+        # `--set TRAINER.beta=...` replaces the shared KL coefficient.
+        **{"beta": BETA[name], **RL_SETTINGS, **job["overrides"]},
     )
     tokenizer = AutoTokenizer.from_pretrained(job["sft_dir"])
     trainer = trainer_class(
@@ -361,8 +360,11 @@ def plot(sft: dict, results: dict, trainers: list[str], settings: dict, path: Pa
     bars.set_title(f"After {settings['rl_steps']} RL steps (mean ± std over seeds)", fontsize=10)
     bars.grid(True, axis="y", alpha=0.3)
     without_kl = [LABELS[name] for name in trainers if BETA[name] == 0]
+    from trl_diffusion.demo import FAMILIES
+
+    family = FAMILIES[settings.get("model_family", "llada")][0]
     figure.suptitle(
-        f"largest_digit, tiny LLaDA: SFT {settings['sft_steps']} steps, then each trainer with the same budget "
+        f"largest_digit, tiny {family}: SFT {settings['sft_steps']} steps, then each trainer with the same budget "
         f"(batch 8x8, lr {settings['learning_rate']:g}, mu 1, beta 0.04"
         + (f"; {', '.join(without_kl)} 0)" if without_kl else ")"),
         fontsize=11,
