@@ -49,7 +49,7 @@ class PublishedLayoutMixin:
     """
 
     def published_fields(self, output: dict[str, Any]) -> None:
-        """Adds (or renames) the published fields in `output`, the dict transformers 5 serialises, in place."""
+        """Adds (or renames) the published fields in `output`, the dict transformers 5 serializes, in place."""
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()

@@ -151,6 +151,6 @@ class AGRPOConfig(TrajectoryRLConfig):
         for refused, reason in refusals:
             if refused:
                 raise ValueError(
-                    f"`estimator='public'` computes AGRPO's public `compute_loss` objective, which cannot honour "
+                    f"`estimator='public'` computes AGRPO's public `compute_loss` objective, which cannot honor "
                     f"{reason}, or use `estimator='package'`."
                 )

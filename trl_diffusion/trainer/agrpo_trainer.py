@@ -72,7 +72,7 @@ class AGRPOTrainer(TrajectoryRLTrainer, name="AGRPO", tags=("agrpo",), paper="25
     `A_{i,k} = ret_{i,k} - mean_{j in group} ret_{j,k}` with `ret = (R + lambda (R - r_k)) / (1 + lambda)`, the group
     mean taken at the same selected index (EGSPO's code). With every step drawn uniformly:
     `loss = (1/B) sum_i (1/S_i) sum_k mean_{n in D_k} -min(rho_n A_i, clip(rho_n, 1 +- 0.2) A_i)`, estimated by
-    `(1/M) sum_m w_m (...)` over the draws. The look-ahead advantages honour `scale_rewards` and `leave_one_out` per
+    `(1/M) sum_m w_m (...)` over the draws. The look-ahead advantages honor `scale_rewards` and `leave_one_out` per
     selected index ([`stepwise_advantages`]).
 
     `estimator="public"` replaces the plan, the draws and the reduction with those of AGRPO's public `compute_loss`:

@@ -65,7 +65,7 @@ def _trl_defaults(reasons: dict[str, str]) -> dict[str, tuple[tuple, str]]:
 
 def refused_token_loss_fields(objective: str) -> dict[str, tuple[tuple, str]]:
     """Entries of a config's `unsupported_fields` for TRL's token-level loss options, which an objective that computes
-    its own loss (VRPO, BGPO, ESPO, LFPO) cannot honour: each keeps only TRL's default. `objective` names the loss in
+    its own loss (VRPO, BGPO, ESPO, LFPO) cannot honor: each keeps only TRL's default. `objective` names the loss in
     the messages (e.g. "the sequence-level ELBO loss")."""
     return _trl_defaults(
         {
