@@ -19,7 +19,8 @@ import torch
 
 from trl_diffusion import AGRPOConfig, AGRPOTrainer
 from trl_diffusion.seeding import TRAJECTORY_TRANSITIONS, derive_seed, keyed_generator
-from trl_diffusion.trainer.agrpo_trainer import STD_EPSILON, stepwise_advantages
+from trl_diffusion.trainer.agrpo_trainer import stepwise_advantages
+from trl_diffusion.trainer.utils import STD_EPSILON
 from trl_diffusion.trajectory import TransitionSelection, batch_stratified_uniforms, public_step_draws
 
 from helpers import (

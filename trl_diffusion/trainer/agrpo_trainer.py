@@ -10,10 +10,7 @@ from ..trajectory import (
 from ..trajectory import trajectory_plan as plan_of
 from .agrpo_config import AGRPOConfig
 from .trajectory_trainer import TrajectoryRLTrainer
-from .utils import trainer_example
-
-# TRL's epsilon under the standard deviation that scales the advantages.
-STD_EPSILON = 1e-4
+from .utils import slot_group_advantages, trainer_example
 
 
 def stepwise_advantages(
@@ -27,11 +24,9 @@ def stepwise_advantages(
 ) -> torch.Tensor:
     """EGSPO-SA's advantages of the slots of a gathered batch, shape `(rows, slots)`, 0 where a slot is invalid.
 
-    The return of slot j of row i is `ret = (R_i + weight (R_i - r_ij)) / (1 + weight)`; its advantage is `ret` minus
-    the mean of the n valid returns of the group at the same slot, then scaled as TRL scales sequence advantages
-    (`scale_rewards`: `"group"` divides by the standard deviation of those n returns, `"batch"` by that of every
-    valid return of the batch, both with Bessel's correction and plus `STD_EPSILON`; `"none"` leaves it), then, with
-    `leave_one_out`, multiplied by `n / (n - 1)` (`n > 1`), the base's leave-one-out of TRL's advantages.
+    The return of slot j of row i is `ret = (R_i + weight (R_i - r_ij)) / (1 + weight)`; its advantage is the group
+    advantage of `ret` at slot j ([`~trainer.utils.slot_group_advantages`], `scale_rewards` and `leave_one_out` as
+    there).
 
     Args:
         final (`torch.Tensor` of shape `(rows,)`):
@@ -42,22 +37,7 @@ def stepwise_advantages(
             The slots that hold a selected transition.
     """
     returns = (final[:, None] + weight * (final[:, None] - lookahead)) / (1 + weight)
-    valid = valid & ~torch.isnan(returns)
-    slots = returns.shape[1]
-    grouped = returns.masked_fill(~valid, 0.0).view(-1, group_size, slots)
-    grouped_valid = valid.view(-1, group_size, slots).to(returns.dtype)
-    count = grouped_valid.sum(dim=1, keepdim=True)
-    advantages = (grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)) * grouped_valid
-    if scale_rewards == "group":
-        std = ((advantages**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-        advantages = advantages / (std + STD_EPSILON)
-    elif scale_rewards == "batch":
-        scored = returns[valid]
-        std = scored.std() if scored.numel() > 1 else scored.new_zeros(())
-        advantages = advantages / (std + STD_EPSILON)
-    if leave_one_out:
-        advantages = advantages * torch.where(count > 1, count / (count - 1).clamp(min=1), torch.ones_like(count))
-    return advantages.view(-1, slots)
+    return slot_group_advantages(returns, valid & ~torch.isnan(returns), group_size, scale_rewards, leave_one_out)
 
 
 @trainer_example('output_dir="llada-agrpo", max_completion_length=384, block_length=12, diffusion_steps=128')

@@ -11,10 +11,7 @@ import torch
 from ..trajectory import state_logprobs
 from .base_trainer import DiffusionRLTrainer
 from .mdpo_config import MDPOConfig
-from .utils import trainer_example
-
-# TRL's (and MDPO's) epsilon under the standard deviation that scales the advantages.
-STD_EPSILON = 1e-4
+from .utils import slot_group_advantages, trainer_example
 
 
 def adv_v4(rewards: torch.Tensor) -> torch.Tensor:
@@ -30,26 +27,11 @@ def adv_v4(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def step_advantages(returns: torch.Tensor, group_size: int, scale_rewards: str = "group") -> torch.Tensor:
-    """The advantage of each (completion, step) of a gathered batch, shape `(rows, T)`: the return minus its group's
-    mean at the same step, divided (`scale_rewards="group"`, MDPO's) by the group's standard deviation there (Bessel's
-    correction) plus `STD_EPSILON`, or (`"batch"`) by that of every return of the batch at that step, or not
-    (`"none"`). NaN returns (an unscored prediction) are left out of the statistics and get advantage 0."""
-    valid = ~torch.isnan(returns)
-    steps = returns.shape[1]
-    grouped = returns.nan_to_num(0.0).view(-1, group_size, steps)
-    grouped_valid = valid.view(-1, group_size, steps).to(returns.dtype)
-    count = grouped_valid.sum(dim=1, keepdim=True)
-    centered = (grouped - (grouped * grouped_valid).sum(dim=1, keepdim=True) / count.clamp(min=1)) * grouped_valid
-    if scale_rewards in ("group", True):
-        std = ((centered**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-        centered = centered / (std + STD_EPSILON)
-    elif scale_rewards == "batch":
-        flat = returns.masked_fill(~valid, 0.0)
-        total = valid.sum(dim=0).to(returns.dtype)
-        mean = flat.sum(dim=0) / total.clamp(min=1)
-        std = (((flat - mean) * valid) ** 2).sum(dim=0).div((total - 1).clamp(min=1)).sqrt()
-        centered = centered / (std + STD_EPSILON)
-    return centered.view(-1, steps)
+    """The advantage of each (completion, step) of a gathered batch, shape `(rows, T)`: the return's group advantage
+    at its step ([`~trainer.utils.slot_group_advantages`]; `"group"`, MDPO's, divides by the group's standard
+    deviation there, `"batch"` by that of every return of the batch at that step). NaN returns (an unscored
+    prediction) are left out of the statistics and get advantage 0."""
+    return slot_group_advantages(returns, ~torch.isnan(returns), group_size, scale_rewards, batch_std_per_slot=True)
 
 
 def top_steps(advantages: torch.Tensor, k: int) -> torch.LongTensor:

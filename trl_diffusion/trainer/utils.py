@@ -42,6 +42,48 @@ def local_or_full(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# TRL's epsilon under the standard deviation that scales the advantages.
+STD_EPSILON = 1e-4
+
+
+def slot_group_advantages(
+    returns: torch.Tensor,
+    valid: torch.BoolTensor,
+    group_size: int,
+    scale_rewards: str,
+    leave_one_out: bool = False,
+    batch_std_per_slot: bool = False,
+) -> torch.Tensor:
+    """Group advantages of returns laid out in slots (AGRPO's selected transitions, MDPO's steps), shape
+    `(rows, slots)` of a gathered batch, 0 where a return is not valid: each valid return minus the mean of the n valid
+    returns of its group at the same slot, scaled as TRL scales sequence advantages (`scale_rewards`: `"group"`
+    divides by the standard deviation of those n returns, `"batch"` by that of every valid return of the batch, or of
+    the slot's with `batch_std_per_slot`, both with Bessel's correction and plus `STD_EPSILON`; `"none"` leaves it),
+    then, with `leave_one_out`, multiplied by `n / (n - 1)` (`n > 1`), the base's leave-one-out of TRL's advantages.
+    """
+    slots = returns.shape[1]
+    flat = returns.masked_fill(~valid, 0.0)
+    grouped = flat.view(-1, group_size, slots)
+    grouped_valid = valid.view(-1, group_size, slots).to(returns.dtype)
+    count = grouped_valid.sum(dim=1, keepdim=True)
+    advantages = (grouped - grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)) * grouped_valid
+    if scale_rewards == "group":
+        std = ((advantages**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        advantages = advantages / (std + STD_EPSILON)
+    elif scale_rewards == "batch" and batch_std_per_slot:
+        total = valid.sum(dim=0).to(returns.dtype)
+        mean = flat.sum(dim=0) / total.clamp(min=1)
+        std = (((flat - mean) * valid) ** 2).sum(dim=0).div((total - 1).clamp(min=1)).sqrt()
+        advantages = advantages / (std + STD_EPSILON)
+    elif scale_rewards == "batch":
+        scored = returns[valid]
+        std = scored.std() if scored.numel() > 1 else scored.new_zeros(())
+        advantages = advantages / (std + STD_EPSILON)
+    if leave_one_out:
+        advantages = advantages * torch.where(count > 1, count / (count - 1).clamp(min=1), torch.ones_like(count))
+    return advantages.view(-1, slots)
+
+
 def trainer_example(
     config_kwargs: str, model: str = "GSAI-ML/LLaDA-8B-Instruct", reward: str = "my_reward", lora: bool = False
 ):
