@@ -183,7 +183,7 @@ class MDPOTrainer(DiffusionRLTrainer, name="MDPO", tags=("mdpo",), paper="2508.1
 
     def _chunk_losses(self, model, inputs, rows, slots, size, mode) -> Iterator[torch.Tensor]:
         args = self.args
-        low, high = 1.0 - args.epsilon, 1.0 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon)
+        low, high = 1.0 - self.epsilon_low, 1.0 + self.epsilon_high  # TRL's clip range
         length = inputs["mdpo_states"].shape[2]
         masked = inputs["mdpo_states"] == self.adapter.mask_token_id  # (B, K, L)
         num_masked = masked.sum(dim=2).float()

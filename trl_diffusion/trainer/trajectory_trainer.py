@@ -386,7 +386,7 @@ class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
         `ratio_level="transition"` the log-ratio and the KL's log-difference are summed over each transition's
         targets (`transitions`: the transition of each position) and the transition's values broadcast to them."""
         args = self.args
-        low, high = 1.0 - args.epsilon, 1.0 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon)
+        low, high = 1.0 - self.epsilon_low, 1.0 + self.epsilon_high  # TRL's clip range
         mask = targets.float()
 
         def per_level(values: torch.Tensor) -> torch.Tensor:
