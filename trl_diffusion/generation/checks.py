@@ -85,6 +85,31 @@ def _check_inputs(
         raise ValueError(f"Got {len(generator)} generators for {len(input_ids)} rows: pass one, or one per row.")
 
 
+def _check_initial_completion(
+    completion, commit_step, input_ids, config: DiffusionGenerationConfig, adapter: DiffusionAdapter, vocab_size
+):
+    if completion is None:
+        if commit_step is not None:
+            raise ValueError("`initial_commit_step` goes with `initial_completion`: pass both, or neither.")
+        return
+    shape = (input_ids.shape[0], config.max_completion_length)
+    if tuple(completion.shape) != shape or completion.dtype != torch.long:
+        raise ValueError(
+            f"`initial_completion` must be a LongTensor of shape (batch, max_completion_length) = {shape}, got "
+            f"{completion.dtype} of shape {tuple(completion.shape)}."
+        )
+    if vocab_size is not None and ((completion < 0) | (completion >= vocab_size)).any():
+        raise ValueError(f"`initial_completion` holds token ids outside the model's vocabulary (0..{vocab_size - 1}).")
+    if commit_step is not None:
+        if commit_step.shape != completion.shape:
+            raise ValueError(
+                f"`initial_commit_step` {tuple(commit_step.shape)} must have the shape of `initial_completion` "
+                f"{tuple(completion.shape)}."
+            )
+        if (commit_step[completion == adapter.mask_token_id] >= 0).any():
+            raise ValueError("`initial_commit_step` gives a commit step to a masked position: use -1 there.")
+
+
 def _lockstep(synchronize: bool) -> bool:
     """Whether [`generate`] keeps several processes in lockstep: `synchronize` in a job of more than one process."""
     if synchronize and not (torch.distributed.is_available() and torch.distributed.is_initialized()):

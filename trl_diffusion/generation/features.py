@@ -310,7 +310,7 @@ class RunningConfidence(DecodingFeature):
         self.remasks_committed = torch.zeros((), dtype=torch.bool, device=state.device)
 
     def rank(self, state, confidence, count):
-        self.committed = state.in_block & ~state.masked & ~state.finished[:, None]
+        self.committed = state.in_block & ~state.masked & ~state.given & ~state.finished[:, None]
         confidence = torch.where(self.committed, self.commit_confidence, confidence)
         return confidence, count + self.committed.sum(dim=1)
 

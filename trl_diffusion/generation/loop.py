@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.adapter import DiffusionAdapter
-from .checks import _check_inputs, _lockstep, _vocab_size
+from .checks import _check_initial_completion, _check_inputs, _lockstep, _vocab_size
 from .config import DiffusionGenerationConfig
 from .features import Commit, Decoding
 from .forward import _candidate_logits, _Logits, _StepForward
@@ -30,6 +30,8 @@ def generate(
     generator: GeneratorLike = None,
     progress_bar: bool = False,
     synchronize: bool = False,
+    initial_completion: torch.LongTensor | None = None,
+    initial_commit_step: torch.LongTensor | None = None,
 ) -> DiffusionGenerationOutput:
     """Denoises a completion for each (left-padded) prompt.
 
@@ -65,6 +67,17 @@ def generate(
             on the data (`early_stop`, `threshold`, `stop_patience`, or a cache with rows in different blocks). Each
             process's rows decode exactly as without it; `num_forward_passes` counts the idle passes too. Costs one
             all-reduce per step; a no-op with a single process.
+        initial_completion (`torch.LongTensor` of shape `(batch, max_completion_length)`, *optional*):
+            A partly filled canvas to start from: the sampler decodes only its mask tokens and never changes the other
+            tokens (no remasking strategy displaces them). Blocks without masks are skipped; a block with some masks
+            is decoded on a fresh schedule of `steps_per_block` steps over the masks it has. Used to inpaint given
+            tokens (IGPO's hints) and to branch from an intermediate canvas (tree rollouts). Default: all masks.
+        initial_commit_step (`torch.LongTensor` of shape `(batch, max_completion_length)`, *optional*):
+            With `initial_completion`, the step at which each given token was committed (e.g. its parent rollout's
+            `commit_step`; -1 for every mask and for tokens given before decoding, the default). The step counter
+            resumes after the largest of them, so `commit_step` and [`DiffusionGenerationOutput.sequence_at`] go on
+            along the parent's trajectory. Pass different generators (or `seed`s) for branches of one parent: the
+            sampling noise is a function of the row's generator, the step and the position.
 
     Returns:
         [`DiffusionGenerationOutput`].
@@ -74,10 +87,13 @@ def generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     _check_inputs(input_ids, attention_mask, config, adapter, generator, _vocab_size(model))
+    _check_initial_completion(initial_completion, initial_commit_step, input_ids, config, adapter, _vocab_size(model))
     lockstep = _lockstep(synchronize)
     generator = _default_generator(generator, config, input_ids.device)
     decoding = config.decoding()
     state = DecodingState(input_ids, attention_mask, config, adapter, generator, decoding.fixed_schedule)
+    if initial_completion is not None:
+        state.start_from(initial_completion, initial_commit_step)
     forward = _StepForward(model, adapter, config, state, lockstep)
     for feature in decoding.features:
         feature.setup(state)

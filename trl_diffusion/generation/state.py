@@ -16,7 +16,7 @@ class DecodingState:
     Across steps: `sequence` (`[prompt | completion]`, `(batch, prompt_length + L)`), `completion` (a view of its
     completion part: committing into it writes the sequence), `commit_step` (`(batch, L)`, -1 where masked), `finished`
     and `steps_per_row` (`(batch,)`), each row's current block (`block_index`) and step in it (`block_step`), and
-    `step`, the step counter. Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
+    `step`, the step counter, and `given` (`(batch, L)`, the tokens of an `initial_completion`). Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
     `committable` (`(batch, L)`), `active_rows` (the rows still decoding), `candidates` (the [`Candidates`] of the
     step's proposals). Fixed: `config`, `adapter`, `generator`, `noise_keys` (each row's key of its sampling noise),
     `terminator_ids` (a tensor), `positions` (`0 .. L - 1`) and `fixed_schedule`.
@@ -69,7 +69,18 @@ class DecodingState:
         self.block_end_step = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.next_block_end = 0
         self.step = 0
+        # The positions given before decoding (`initial_completion`), which nothing may remask.
+        self.given = torch.zeros((batch_size, length), dtype=torch.bool, device=device)
         self.masked = self.in_block = self.committable = self.active_rows = self.candidates = None
+
+    def start_from(self, completion: torch.LongTensor, commit_step: torch.LongTensor | None) -> None:
+        """Starts from a partly filled canvas: its tokens are given, its masks decoded; the step counter resumes after
+        the last given commit step."""
+        self.completion.copy_(completion)
+        self.given = completion != self.mask_token_id
+        if commit_step is not None:
+            self.commit_step.copy_(commit_step.masked_fill(~self.given, -1))
+            self.step = max(int(self.commit_step.max()) + 1, 0)
 
     def enter_blocks(self) -> torch.BoolTensor | None:
         """Starts a step: each row decodes the first block that still has masks (rows may be in different blocks under
