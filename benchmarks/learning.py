@@ -117,6 +117,7 @@ RL_SETTINGS = {
     "max_grad_norm": 1.0,
     "max_prompt_length": 64,
     "num_iterations": 1,
+    "gradient_accumulation_steps": 1,  # MDPO's config defaults to its recipe's 16: 16 times the rollouts per step
     "gradient_checkpointing": False,
 }
 # KL coefficient towards the SFT model, as in the demo; LFPO has no likelihood and so no KL term.
