@@ -14,7 +14,7 @@ from trl_diffusion.generation import DiffusionGenerationConfig, generate
 from trl_diffusion.generation.noise import PROPOSAL, counter_uniform, row_keys, sample_categorical
 from trl_diffusion.models import DiffusionAdapter, build_tiny_llada2
 
-from helpers import decode_each_alone, sharpened
+from helpers import decode_each_alone, save_checkpoint, sharpened, tiny_grpo_config, tiny_trainer
 
 BLOCK, COMPLETION_LENGTH = 4, 16
 PROMPT_LENGTHS = (5, 8, 11)
@@ -217,3 +217,56 @@ def test_editing_off_changes_nothing(llada2, prompts):
 def test_editing_refuses_what_it_cannot_honor(settings, message):
     with pytest.raises(ValueError, match=message):
         DiffusionGenerationConfig(**{"edit_threshold": 0.5, **settings})
+
+
+@pytest.fixture(scope="module")
+def llada2_dir(tiny_tokenizer, tmp_path_factory):
+    model = build_tiny_llada2(tiny_tokenizer, block_size=BLOCK)
+    return save_checkpoint(model, tiny_tokenizer, tmp_path_factory.mktemp("llada2"))
+
+
+def test_a_sequence_elbo_trainer_trains_on_editing_rollouts(llada2_dir, tmp_path, monkeypatch):
+    """BGPO scores only the final completion (its ELBO), which editing leaves well defined: it trains on LLaDA2.1's
+    speed-mode rollouts (some tokens edited) on the tiny LLaDA2."""
+    from trl_diffusion.trainer import BGPOConfig, BGPOTrainer, base_trainer
+
+    edited = []
+
+    def recording_generate(*args, **kwargs):
+        output = generate(*args, **kwargs)
+        edited.append(output.edits_committed)
+        return output
+
+    monkeypatch.setattr(base_trainer, "generate", recording_generate)
+    args = tiny_grpo_config(
+        BGPOConfig, tmp_path, beta=0.0, num_mc_samples=2, diffusion_steps=None, temperature=1.0, **SPEED
+    )
+    trainer = tiny_trainer(BGPOTrainer, llada2_dir, args)
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(edited) == 2 and any(edited)
+    assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_the_trajectory_trainers_refuse_editing(llada2_dir, tmp_path, monkeypatch):
+    """The trajectory trainers rebuild each denoising state from the commit steps, which an edit invalidates: their
+    configs refuse `edit_threshold`, LFPO's only with `lfpo_states='trajectory'`, and a rollout that edited is refused
+    if it reaches them anyway."""
+    from trl_diffusion.trainer import AGRPOConfig, LFPOConfig, MDPOConfig, TraceRLConfig, TraceRLTrainer, base_trainer
+
+    for config_class in (AGRPOConfig, TraceRLConfig, MDPOConfig):
+        with pytest.raises(ValueError, match="edit_threshold"):
+            tiny_grpo_config(config_class, tmp_path, edit_threshold=0.5, running_confidence=False)
+    with pytest.raises(ValueError, match="lfpo_states='forward'"):
+        tiny_grpo_config(LFPOConfig, tmp_path, edit_threshold=0.5)
+    tiny_grpo_config(LFPOConfig, tmp_path, edit_threshold=0.5, lfpo_states="forward")
+
+    def editing_generate(*args, **kwargs):
+        output = generate(*args, **kwargs)
+        output.edits_committed = True
+        return output
+
+    monkeypatch.setattr(base_trainer, "generate", editing_generate)
+    trainer = tiny_trainer(TraceRLTrainer, llada2_dir, tiny_grpo_config(TraceRLConfig, tmp_path))
+    with pytest.raises(ValueError, match="rebuilds each denoising state .* edited some"):
+        trainer.train()
