@@ -35,6 +35,27 @@ SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar", "sdar_moe", "llada2_moe"})
 
 
+def _checked_family_mask_id(family_id: int, model_type: str, tokenizer) -> int:
+    """The family's published mask id, when the tokenizer agrees that it is a mask token; else the tokenizer's one
+    added token whose name says mask (iLLaDA declares its `<[MASK]>`, id 5, in none of its files and shares LLaDA's
+    model type, whose published id 126336 is an ordinary token of its vocabulary)."""
+    if tokenizer is None:
+        return family_id
+    name = tokenizer.convert_ids_to_tokens(family_id)
+    if name is None or "mask" in name.lower():
+        return family_id  # a tokenizer too small to hold it (a tiny test model), or the family's mask token
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    masks = sorted(index for index, token in added.items() if "mask" in str(token).lower())
+    if len(masks) == 1:
+        return masks[0]
+    raise ValueError(
+        f"This {model_type!r} model declares no mask token (no `mask_token_id` in its config, no `mask_token` in its "
+        f"tokenizer), and its family's published id {family_id} is the tokenizer's {name!r}, not a mask token; "
+        f"the tokenizer's added tokens name {len(masks)} mask tokens ({masks}). Set `model.config.mask_token_id` "
+        "(or pass `mask_token_id=` / the config field `mask_token_id`) to the id of its mask token (iLLaDA: 5)."
+    )
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Returns the transformers model under PEFT and DDP/compile wrappers (the one whose `forward` we inspect)."""
     while True:
@@ -269,8 +290,8 @@ class DiffusionAdapter:
             mask_token_id = getattr(config, "mask_token_id", None)
         if mask_token_id is None and tokenizer is not None:
             mask_token_id = getattr(tokenizer, "mask_token_id", None)
-        if mask_token_id is None:
-            mask_token_id = KNOWN_MASK_TOKEN_IDS.get(model_type)
+        if mask_token_id is None and model_type in KNOWN_MASK_TOKEN_IDS:
+            mask_token_id = _checked_family_mask_id(KNOWN_MASK_TOKEN_IDS[model_type], model_type, tokenizer)
         if mask_token_id is None:
             raise ValueError(
                 f"Cannot find the mask token of this model (model_type={model_type!r}): its config has no "
