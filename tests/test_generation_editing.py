@@ -191,6 +191,20 @@ def test_left_padded_batch_equals_each_prompt_alone(llada2, prompts, cache):
     assert not torch.equal(batch.completion_ids, plain.completion_ids)
 
 
+def test_given_tokens_are_never_edited(llada2, prompts):
+    """Tokens of an `initial_completion` are the prompt's kin: no edit replaces them."""
+    model, adapter = llada2
+    config = DiffusionGenerationConfig(max_completion_length=COMPLETION_LENGTH, block_length=BLOCK, **SPEED)
+    free = generate(model, **prompts, generation_config=config, adapter=adapter)
+    given = torch.zeros_like(free.completion_ids, dtype=torch.bool)
+    given[:, ::3] = True
+    # Tokens the model would edit away: shifted by one in the vocabulary.
+    initial = torch.where(given, (free.completion_ids + 1) % adapter.mask_token_id, adapter.mask_token_id)
+    output = generate(model, **prompts, generation_config=config, adapter=adapter, initial_completion=initial)
+    assert torch.equal(output.completion_ids[given], initial[given])
+    assert output.edits_committed
+
+
 def test_editing_off_changes_nothing(llada2, prompts):
     model, adapter = llada2
     settings = dict(max_completion_length=COMPLETION_LENGTH, block_length=BLOCK, threshold=0.5)
