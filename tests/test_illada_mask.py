@@ -29,6 +29,11 @@ def test_the_family_fallback_is_checked_against_the_tokenizer(tiny_tokenizer):
     model = build_tiny_llada(tiny_tokenizer)
     model.config.mask_token_id = None
     assert DiffusionAdapter.from_model(model, ILLaDALikeTokenizer()).mask_token_id == 5
+    # Under a model type of its own (third-party code that loads iLLaDA names it "illada"): refused, naming the id.
+    model.config.model_type = "illada"
+    with pytest.raises(ValueError, match=r"Cannot find the mask token .*\(iLLaDA: 5, its added `<\[MASK\]>`\)"):
+        DiffusionAdapter.from_model(model, ILLaDALikeTokenizer())
+    model.config.model_type = "llada"
     for masks in ((), ("<[MASK]>", "<mask_2>")):
         with pytest.raises(ValueError, match=r"published id 126336 is the tokenizer's 'Ġthe'.*\(iLLaDA: 5\)"):
             DiffusionAdapter.from_model(model, ILLaDALikeTokenizer(masks))
