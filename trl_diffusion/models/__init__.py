@@ -16,6 +16,12 @@ from .adapter import (
     DiffusionAdapter,
     unwrap_model,
 )
+from .diffusion_gemma import (
+    DIFFUSION_GEMMA_LORA_TARGET_MODULES,
+    EncoderDecoderAdapter,
+    diffusion_gemma_sft_loss,
+    generate_diffusion_gemma,
+)
 from .dream import DREAM_LORA_TARGET_MODULES, DreamConfig, DreamModel
 from .llada import (
     LLADA_LORA_EXCLUDE_MODULES,
@@ -36,6 +42,7 @@ from .sdar import (
 )
 from .tiny import (
     build_tiny_bidirectional_llama,
+    build_tiny_diffusion_gemma,
     build_tiny_dream,
     build_tiny_llada,
     build_tiny_llada2,
@@ -61,6 +68,11 @@ for config_class, model_class in (
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 __all__ = [
+    "DIFFUSION_GEMMA_LORA_TARGET_MODULES",
+    "EncoderDecoderAdapter",
+    "build_tiny_diffusion_gemma",
+    "diffusion_gemma_sft_loss",
+    "generate_diffusion_gemma",
     "DREAM_LORA_TARGET_MODULES",
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",
