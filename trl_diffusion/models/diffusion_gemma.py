@@ -364,8 +364,9 @@ def canvas_logits(
     """The decoder's logits for noisy versions of every canvas of the completions, the encoder run once.
 
     The encoder reads `[prompt | completion]` once (it is causal, so its keys before a canvas are those of the
-    prompt and the clean canvases before it); the decoder denoises each canvas of each view with the cache cut off at
-    the canvas's start. Every view shares the one encoder pass (and its graph, when gradients flow).
+    prompt and the clean canvases before it); the decoder denoises each canvas of every view, in one batch per canvas,
+    with the cache cut off at the canvas's start. Every view shares the one encoder pass (and its graph, when
+    gradients flow: the cache's keys are repeated per view, not recomputed).
 
     Args:
         prompt_ids (`torch.LongTensor` of shape `(batch, prompt_length)`):
@@ -392,23 +393,27 @@ def canvas_logits(
     adapter.check_window(int(prompt_mask.sum(-1).max()) + completion_length - canvas_length)
     full_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
     cache = adapter.encode(model, torch.cat([prompt_ids, completion_ids], dim=1), full_mask)
+    # All views in one decoder batch per canvas: row r's views are rows r * n ... r * n + n - 1 of the cache.
+    num_views = len(noisy_views)
+    if num_views > 1:
+        cache.batch_repeat_interleave(num_views)
+    views = torch.stack(noisy_views, dim=1).flatten(0, 1)
+    full_mask = full_mask.repeat_interleave(num_views, dim=0)
+    prompt_real = prompt_mask.long().sum(-1).repeat_interleave(num_views)
     prompt_length = prompt_ids.shape[1]
-    prompt_real = prompt_mask.long().sum(-1)
-    outputs = []
-    for view in noisy_views:
-        blocks = []
-        for start in range(0, completion_length, canvas_length):
-            context = full_mask.clone()
-            context[:, prompt_length + start :] = 0
-            canvas = view[:, start : start + canvas_length]
-            canvas_start = prompt_real + start
-            signal = None
-            if self_conditioning:
-                with torch.no_grad():
-                    signal = adapter.decoder_logits(model, cache, context, canvas, canvas_start)
-            blocks.append(adapter.decoder_logits(model, cache, context, canvas, canvas_start, signal))
-        outputs.append(torch.cat(blocks, dim=1))
-    return outputs
+    blocks = []
+    for start in range(0, completion_length, canvas_length):
+        context = full_mask.clone()
+        context[:, prompt_length + start :] = 0
+        canvas = views[:, start : start + canvas_length]
+        canvas_start = prompt_real + start
+        signal = None
+        if self_conditioning:
+            with torch.no_grad():
+                signal = adapter.decoder_logits(model, cache, context, canvas, canvas_start)
+        blocks.append(adapter.decoder_logits(model, cache, context, canvas, canvas_start, signal))
+    logits = torch.cat(blocks, dim=1).unflatten(0, (-1, num_views))
+    return list(logits.unbind(1))
 
 
 def uniform_corruption(
@@ -425,10 +430,43 @@ def uniform_corruption(
     return torch.where(corrupt, random_tokens, completion_ids), corrupt
 
 
-def canvas_cross_entropy(logits: torch.Tensor, completion_ids: torch.LongTensor) -> torch.Tensor:
-    """Per-row mean cross-entropy over every canvas position (corrupted or not): DiffusionGemma's denoising loss,
-    shape `(batch,)`."""
-    return F.cross_entropy(logits.transpose(1, 2).float(), completion_ids, reduction="none").mean(-1)
+def denoising_token_logps(
+    model: torch.nn.Module,
+    adapter: EncoderDecoderAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    num_samples: int,
+    eps: float = 1e-3,
+    self_conditioning: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Monte Carlo per-token terms of DiffusionGemma's denoising objective, the likelihood surrogate its trainers use:
+    per view, `t ~ U(eps, 1)` per row, the completion corrupted uniformly with probability `t` (every canvas of it),
+    and the decoder's log-probability of each clean token (corrupted or not), the encoder run once for all views.
+
+    Summed over a completion and averaged over views it estimates `-E_t E_{x_t}[sum_i CE_i]`, the negative of TRL's
+    DiffusionGemma training loss (its per-position mean times the canvas positions): a flat-weighted denoising bound,
+    not the exact uniform-noise ELBO (which has no closed per-token form). The exact value, by enumeration, is
+    `tests/test_diffusion_gemma.py::exact_denoising_objective`.
+
+    Args:
+        num_samples (`int`):
+            Monte Carlo views.
+        self_conditioning (`bool`, defaults to `False`):
+            See [`canvas_logits`]: off, every view is scored as a first denoising step (the zero signal).
+
+    Returns:
+        `torch.Tensor` of shape `(num_samples, batch, completion_length)`: float32 log-probabilities.
+    """
+    views = []
+    for _ in range(num_samples):
+        t = eps + (1 - eps) * torch.rand(completion_ids.shape[0], device=completion_ids.device, generator=generator)
+        views.append(uniform_corruption(completion_ids, adapter.vocab_size, t, generator)[0])
+    logits = canvas_logits(model, adapter, prompt_ids, prompt_mask, completion_ids, views, self_conditioning)
+    return torch.stack(
+        [torch.log_softmax(view.float(), -1).gather(-1, completion_ids[..., None]).squeeze(-1) for view in logits]
+    )
 
 
 def diffusion_gemma_sft_loss(

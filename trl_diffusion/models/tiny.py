@@ -333,7 +333,8 @@ def build_tiny_diffusion_gemma(
 ) -> DiffusionGemmaForBlockDiffusion:
     """A randomly initialized transformers `DiffusionGemmaForBlockDiffusion` (Gemma 4 text stack with its parallel
     dense MLP and mixture of experts, alternating sliding and full attention, the encoder and decoder sharing their
-    layers; self-conditioning MLP; a one-layer vision tower) at toy sizes.
+    layers; self-conditioning MLP; a one-layer vision tower) at toy sizes, its experts on the eager kernel (the grouped
+    one refuses float64).
 
     Args:
         tokenizer, seed, dtype:
@@ -359,6 +360,7 @@ def build_tiny_diffusion_gemma(
         vision_config=dict(TINY_DIFFUSION_GEMMA_VISION),
         canvas_length=canvas_length,
         attn_implementation="sdpa",
+        experts_implementation="eager",
     )
     model = DiffusionGemmaForBlockDiffusion(config)
     reinitialize(model, seed)
