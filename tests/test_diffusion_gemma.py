@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import DiffusionGemmaConfig
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 from trl import ModelConfig
@@ -20,8 +21,12 @@ from trl_diffusion.models.diffusion_gemma import (
     diffusion_gemma_sft_loss,
     generate_diffusion_gemma,
     published_parameter_count,
+    sft_batch_from_canvas,
 )
 from trl_diffusion.models.lora import lora_config_for
+from trl_diffusion.trainer import DiffusionSFTConfig, DiffusionSFTTrainer
+
+from helpers import save_checkpoint, tiny_config
 
 STEPS = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8)
 
@@ -367,3 +372,42 @@ def test_sft_loss_equals_trl_example(small_gemma, small_adapter):
                     torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
     finally:
         model.eval()
+
+
+def test_sft_batch_from_canvas_lays_out_trl_batches(gemma_adapter):
+    """Left-padded prompts and EOS-filled completions become right-padded rows whose labels cover the response and
+    one EOS."""
+    eos, pad = gemma_adapter.fill_token_id, gemma_adapter.pad_token_id
+    batch = sft_batch_from_canvas(
+        torch.tensor([[pad, 10, 11], [12, 13, 14]]),
+        torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        torch.tensor([[20, 4, eos, eos], [21, 22, 23, 24]]),
+        gemma_adapter,
+    )
+    assert batch["input_ids"].tolist() == [[10, 11, 20, 4, eos, pad, pad], [12, 13, 14, 21, 22, 23, 24]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1] * 7]
+    assert batch["labels"].tolist() == [[-100, -100, 20, 4, eos, -100, -100], [-100] * 3 + [21, 22, 23, 24]]
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_sft_trains_diffusion_gemma(peft, tiny_tokenizer, tmp_path):
+    model_dir = save_checkpoint(build_tiny_diffusion_gemma(tiny_tokenizer), tiny_tokenizer, tmp_path / "model")
+    dataset = Dataset.from_dict({"prompt": ["ab=", "hello=", "x=", "cd="], "completion": ["ba", "o", "xyz", "dc"]})
+    args = tiny_config(DiffusionSFTConfig, tmp_path, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2)
+    peft_config = lora_config_for("diffusion_gemma", ModelConfig(use_peft=True, lora_r=4, lora_alpha=8))
+    trainer = DiffusionSFTTrainer(
+        model=model_dir,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer,
+        peft_config=peft_config if peft else None,
+    )
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 2
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if peft:
+        assert trainable and all("lora_" in n for n in trainable)
+    assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters() if n in trainable)

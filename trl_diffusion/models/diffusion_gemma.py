@@ -531,6 +531,40 @@ def diffusion_gemma_sft_loss(
     return diffusion_loss + ar_loss
 
 
+def sft_batch_from_canvas(
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    adapter: EncoderDecoderAdapter,
+) -> dict[str, torch.Tensor]:
+    """TRL's SFT layout (right-padded `input_ids`, `attention_mask`, `labels` -100 outside the response) of the
+    package's SFT batch (left-padded prompts, completions filled with `adapter.fill_token_id` to a common length).
+
+    A row's response is its completion up to the last token that is not the fill, plus one fill token (the EOS TRL
+    appends to a plain completion; after an end-of-turn token, the EOS a canvas past the response is filled with
+    anyway), at most the whole completion.
+    """
+    rows, lengths = [], []
+    fill = adapter.fill_token_id
+    for prompt, mask, completion in zip(prompt_ids, prompt_mask, completion_ids, strict=True):
+        kept = (completion != fill).nonzero()
+        response = min(int(kept[-1]) + 2 if len(kept) else 1, completion.shape[0])
+        rows.append((prompt[mask.bool()], completion[:response]))
+        lengths.append(len(rows[-1][0]) + response)
+    width = max(lengths)
+    pad = adapter.pad_token_id if adapter.pad_token_id is not None else fill
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long, device=prompt_ids.device)
+    labels = torch.full_like(input_ids, -100)
+    for row, (prompt, response) in enumerate(rows):
+        input_ids[row, : len(prompt)] = prompt
+        input_ids[row, len(prompt) : lengths[row]] = response
+        labels[row, len(prompt) : lengths[row]] = response
+    attention_mask = (
+        torch.arange(width, device=prompt_ids.device) < torch.tensor(lengths, device=prompt_ids.device)[:, None]
+    ).long()
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
 def published_parameter_count(config) -> int:
     """Parameters of a DiffusionGemma built on the meta device from `config` (tied weights counted once)."""
     from transformers import DiffusionGemmaForBlockDiffusion
