@@ -24,9 +24,10 @@ from trl_diffusion.models.diffusion_gemma import (
     sft_batch_from_canvas,
 )
 from trl_diffusion.models.lora import lora_config_for
+from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.trainer import DiffusionSFTConfig, DiffusionSFTTrainer
 
-from helpers import save_checkpoint, tiny_config
+from helpers import distinct_chars, save_checkpoint, say_dataset, tiny_config, tiny_grpo_config
 
 STEPS = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8)
 
@@ -411,3 +412,64 @@ def test_sft_trains_diffusion_gemma(peft, tiny_tokenizer, tmp_path):
     if peft:
         assert trainable and all("lora_" in n for n in trainable)
     assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters() if n in trainable)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tiny_tokenizer, tmp_path_factory):
+    return save_checkpoint(
+        build_tiny_diffusion_gemma(tiny_tokenizer), tiny_tokenizer, tmp_path_factory.mktemp("gemma")
+    )
+
+
+def gemma_rl_args(name, output_dir, **overrides):
+    settings = dict(beta=0.0, max_steps=2, max_completion_length=8)
+    if name in ("vrpo", "bgpo", "espo", "ebpo", "spg"):
+        settings["num_mc_samples"] = 2
+    return tiny_grpo_config(trainer_classes(name)[0], output_dir, **{**settings, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("name", "peft"),
+    [
+        ("vrpo", False),
+        ("bgpo", True),
+        ("espo", False),
+        pytest.param("vrpo", True, marks=pytest.mark.slow),
+        pytest.param("bgpo", False, marks=pytest.mark.slow),
+        pytest.param("espo", True, marks=pytest.mark.slow),
+    ],
+)
+def test_sequence_elbo_trainers_train_diffusion_gemma(name, peft, gemma_dir, tiny_tokenizer, tmp_path):
+    """VRPO, BGPO and ESPO train DiffusionGemma on its denoising objective's Monte Carlo terms (rollouts from
+    `generate_diffusion_gemma`), full and with the family's LoRA rule."""
+    trainer = trainer_classes(name)[1](
+        model=gemma_dir,
+        reward_funcs=distinct_chars,
+        args=gemma_rl_args(name, tmp_path),
+        train_dataset=say_dataset(),
+        processing_class=tiny_tokenizer,
+        peft_config=lora_config_for("diffusion_gemma", ModelConfig(use_peft=True, lora_r=4, lora_alpha=8))
+        if peft
+        else None,
+    )
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 2
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if peft:
+        assert trainable and all("lora_" in n for n in trainable)
+    assert any(not torch.equal(initial[n], p) for n, p in trainer.model.named_parameters() if n in trainable)
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    assert rewards and all(math.isfinite(reward) for reward in rewards)
+
+
+@pytest.mark.parametrize("name", ["diffu_grpo", "spg", "mdpo", "ebpo"])
+def test_other_rl_trainers_refuse_diffusion_gemma(name, gemma_dir, tiny_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="does not train DiffusionGemma"):
+        trainer_classes(name)[1](
+            model=gemma_dir,
+            reward_funcs=distinct_chars,
+            args=gemma_rl_args(name, tmp_path),
+            train_dataset=say_dataset(),
+            processing_class=tiny_tokenizer,
+        )

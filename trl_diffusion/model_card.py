@@ -346,7 +346,7 @@ def card_sampler(trainer) -> tuple[bool, DiffusionGenerationConfig]:
             for its model, `generation_cache` included); an SFT trainer decodes nothing, and the card's sampler is the
             default one on its config's `max_completion_length` canvas (one block) when that is set.
     """
-    if hasattr(trainer, "diffusion_generation_config"):
+    if getattr(trainer, "diffusion_generation_config", None) is not None:
         return True, trainer.diffusion_generation_config
     args = trainer.args
     length = getattr(args, "max_completion_length", None)

@@ -31,9 +31,12 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 from ..generation.output import DiffusionGenerationOutput
+from ..seeding import derive_seed
 from .adapter import _as_id_tuple, unwrap_model
 
 DIFFUSION_GEMMA_MODEL_TYPE = "diffusion_gemma"
+# Stream key of the uniform-noise views of a rollout row (with its mask seed and the inner iteration).
+UNIFORM_NOISE_STREAM = 0x6E6F6973
 # LoRA as in TRL's DiffusionGemma SFT example (the reference fine-tune of the released checkpoint): the attention and
 # dense-MLP linears of the encoder's and the decoder's layers. The MoE experts (fused 3-D parameters), the router,
 # the self-conditioning MLP and the vision tower stay frozen. The encoder and decoder layers share their base weights
@@ -218,6 +221,7 @@ def generate_diffusion_gemma(
     entropy_bound: float = DEFAULT_DECODING["entropy_bound"],
     stability_threshold: int | None = DEFAULT_DECODING["stability_threshold"],
     confidence_threshold: float | None = DEFAULT_DECODING["confidence_threshold"],
+    fill_token_id: int | None = None,
     tokenizer=None,
 ) -> DiffusionGenerationOutput:
     """DiffusionGemma's decoding (transformers' `DiffusionGemmaGenerationMixin.generate`), as a
@@ -255,6 +259,9 @@ def generate_diffusion_gemma(
         max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, confidence_threshold:
             transformers' `DiffusionGemmaGenerationConfig` fields (defaults: the released checkpoint's). No
             adaptive stop when either threshold is `None`.
+        fill_token_id (`int`, *optional*):
+            What follows a terminator (default: the pad token, as transformers; the trainers fill with EOS, the
+            canvas fill DiffusionGemma trains on).
     """
     adapter = adapter if adapter is not None else EncoderDecoderAdapter.from_model(model, tokenizer)
     canvas_length = adapter.canvas_length
@@ -283,7 +290,7 @@ def generate_diffusion_gemma(
     if stability_threshold is not None and confidence_threshold is not None:
         stopping = StableAndConfidentStoppingCriteria(stability_threshold, confidence_threshold)
     terminators = torch.tensor(adapter.terminator_ids, device=device)
-    pad = adapter.pad_token_id
+    pad = fill_token_id if fill_token_id is not None else adapter.pad_token_id
 
     completion = torch.full((batch_size, max_completion_length), pad if pad is not None else 0, device=device)
     commit_step = torch.zeros(batch_size, max_completion_length, dtype=torch.long, device=device)
@@ -466,6 +473,64 @@ def denoising_token_logps(
     logits = canvas_logits(model, adapter, prompt_ids, prompt_mask, completion_ids, views, self_conditioning)
     return torch.stack(
         [torch.log_softmax(view.float(), -1).gather(-1, completion_ids[..., None]).squeeze(-1) for view in logits]
+    )
+
+
+@dataclass
+class UniformNoisePlan:
+    """The Monte Carlo views of a batch's completions under DiffusionGemma's uniform noise (the counterpart of a
+    [`~masking.MaskPlan`] for the sequence-ELBO trainers).
+
+    Args:
+        views (`torch.LongTensor` of shape `(batch, num_mc_samples, completion_length)`):
+            The noisy completions.
+    """
+
+    views: torch.LongTensor
+
+    @property
+    def num_mc_samples(self) -> int:
+        return self.views.shape[1]
+
+
+def uniform_noise_plan(
+    adapter: EncoderDecoderAdapter,
+    completion_ids: torch.LongTensor,
+    seeds: torch.LongTensor,
+    iteration: int,
+    num_samples: int,
+    eps: float = 1e-3,
+) -> UniformNoisePlan:
+    """`num_samples` views of each row, drawn from the row's own generator keyed by (its mask seed, `iteration`), so
+    that the current, old and reference policies score the same views however the batch is split: view j has
+    `t_j ~ U(eps, 1)` and each position replaced with probability `t_j` by a uniform token."""
+    batch_size, length = completion_ids.shape
+    views = []
+    for row in range(batch_size):
+        generator = torch.Generator().manual_seed(derive_seed(int(seeds[row]), iteration, UNIFORM_NOISE_STREAM))
+        t = eps + (1 - eps) * torch.rand(num_samples, 1, generator=generator)
+        corrupt = torch.rand(num_samples, length, generator=generator) < t
+        tokens = torch.randint(adapter.vocab_size, (num_samples, length), generator=generator)
+        views.append(torch.where(corrupt, tokens, completion_ids[row].cpu()))
+    return UniformNoisePlan(torch.stack(views).to(completion_ids.device))
+
+
+def denoising_terms(
+    model: torch.nn.Module,
+    adapter: EncoderDecoderAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    plan: UniformNoisePlan,
+    mc_indices: list[int] | None = None,
+) -> torch.Tensor:
+    """Monte Carlo terms `sum_i log p(x_i | x_t^j)` of views `mc_indices` (default all) of every row, the encoder run
+    once and the views batched per canvas, self-conditioning off; shape `(batch, k)`, float32."""
+    views = plan.views if mc_indices is None else plan.views[:, mc_indices]
+    logits = canvas_logits(model, adapter, prompt_ids, prompt_mask, completion_ids, list(views.unbind(1)))
+    targets = completion_ids[..., None]
+    return torch.stack(
+        [torch.log_softmax(view.float(), -1).gather(-1, targets).squeeze(-1).sum(-1) for view in logits], dim=1
     )
 
 
