@@ -3,10 +3,16 @@ LLaDA and Dream, tiny builders.
 
 Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"`, `"sdar_moe"` and `"llada2_moe"` with the
 transformers Auto classes, so `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without
-`trust_remote_code`.
+`trust_remote_code`; and transformers' own `"diffusion_gemma"` with `AutoModelForCausalLM`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    DiffusionGemmaConfig,
+    DiffusionGemmaForBlockDiffusion,
+)
 
 from .adapter import (
     KNOWN_MASK_TOKEN_IDS,
@@ -66,6 +72,9 @@ for config_class, model_class in (
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(config_class, model_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+# transformers maps DiffusionGemma to its multimodal Auto classes only; the trainers and the demo load by path with
+# AutoModelForCausalLM.
+AutoModelForCausalLM.register(DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, exist_ok=True)
 
 __all__ = [
     "DIFFUSION_GEMMA_LORA_TARGET_MODULES",
