@@ -453,7 +453,7 @@ def denoising_token_logps(
     and the decoder's log-probability of each clean token (corrupted or not), the encoder run once for all views.
 
     Summed over a completion and averaged over views it estimates `-E_t E_{x_t}[sum_i CE_i]`, the negative of TRL's
-    DiffusionGemma training loss (its per-position mean times the canvas positions): a flat-weighted denoising bound,
+    DiffusionGemma training loss (its per-position mean times the canvas positions): a flat-weighted surrogate,
     not the exact uniform-noise ELBO (which has no closed per-token form). The exact value, by enumeration, is
     `tests/test_diffusion_gemma.py::exact_denoising_objective`.
 
