@@ -22,7 +22,12 @@ from transformers import TrainerCallback
 
 from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
 from .models.adapter import DiffusionAdapter, unwrap_model
-from .models.diffusion_gemma import DIFFUSION_GEMMA_MODEL_TYPE, EncoderDecoderAdapter, generate_diffusion_gemma
+from .models.diffusion_gemma import (
+    DIFFUSION_GEMMA_MODEL_TYPE,
+    EncoderDecoderAdapter,
+    denoising_steps_per_canvas,
+    generate_diffusion_gemma,
+)
 from .seeding import derive_seed
 
 
@@ -309,6 +314,11 @@ def evaluate_task(
                     generation_config.max_completion_length,
                     adapter=adapter,
                     generator=generators[0],
+                    max_denoising_steps=denoising_steps_per_canvas(
+                        generation_config.diffusion_steps,
+                        generation_config.max_completion_length,
+                        adapter.canvas_length,
+                    ),
                     fill_token_id=adapter.fill_token_id,
                 )
             else:

@@ -207,6 +207,14 @@ class _SeededEntropyBoundSampler(EntropyBoundSampler):
         )
 
 
+def denoising_steps_per_canvas(diffusion_steps: int | None, max_completion_length: int, canvas_length: int) -> int:
+    """DiffusionGemma's `max_denoising_steps` for a sampler budget of `diffusion_steps` forward passes over the
+    completion (the package's `diffusion_steps`), shared by its canvases; the released default (48) without one."""
+    if diffusion_steps is None:
+        return DEFAULT_DECODING["max_denoising_steps"]
+    return max(1, diffusion_steps // -(-max_completion_length // canvas_length))
+
+
 @torch.no_grad()
 def generate_diffusion_gemma(
     model: torch.nn.Module,

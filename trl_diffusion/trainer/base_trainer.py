@@ -37,7 +37,12 @@ from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
 from ..hub import HubErrorsMixin
 from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter, unwrap_model
-from ..models.diffusion_gemma import DIFFUSION_GEMMA_MODEL_TYPE, EncoderDecoderAdapter, generate_diffusion_gemma
+from ..models.diffusion_gemma import (
+    DIFFUSION_GEMMA_MODEL_TYPE,
+    EncoderDecoderAdapter,
+    denoising_steps_per_canvas,
+    generate_diffusion_gemma,
+)
 from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, derive_seed
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
 from .base_config import DiffusionRLConfig
@@ -577,6 +582,9 @@ class DiffusionRLTrainer(
                     self.args.max_completion_length,
                     adapter=self.adapter,
                     generator=generators[0],
+                    max_denoising_steps=denoising_steps_per_canvas(
+                        self.args.diffusion_steps, self.args.max_completion_length, self.adapter.canvas_length
+                    ),
                     fill_token_id=self.adapter.fill_token_id,
                 ), torch.tensor([derive_seed(key, ROW_MASKS) >> 2 for key in row_keys], device=device)
             rollout = generate(
