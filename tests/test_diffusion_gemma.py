@@ -473,3 +473,16 @@ def test_other_rl_trainers_refuse_diffusion_gemma(name, gemma_dir, tiny_tokenize
             train_dataset=say_dataset(),
             processing_class=tiny_tokenizer,
         )
+
+
+@pytest.mark.slow
+def test_demo_runs_on_diffusion_gemma(tmp_path):
+    """`trl-diffusion demo --model_family diffusion_gemma` at toy size: the five stages run and the reloaded model
+    scores what the trained one did (its decoding samples, from seeded generators)."""
+    from trl_diffusion.demo import main
+
+    argv = ["--sft_steps", "20", "--rl_steps", "2", "--num_eval_examples", "16", "--rl_batch_size", "16"]
+    summary = main(
+        ["--output_dir", str(tmp_path), *argv, "--model_family", "diffusion_gemma", "--min_improvement", "-100"]
+    )
+    assert summary["accuracy_reloaded"] == summary["accuracy_after_bgpo"]
