@@ -17,17 +17,28 @@ from trl_diffusion.models import DiffusionAdapter, build_tiny_diffusion_gemma
 from trl_diffusion.models.diffusion_gemma import (
     EncoderDecoderAdapter,
     canvas_logits,
+    denoising_terms,
     denoising_token_logps,
     diffusion_gemma_sft_loss,
     generate_diffusion_gemma,
     published_parameter_count,
     sft_batch_from_canvas,
+    uniform_noise_plan,
 )
 from trl_diffusion.models.lora import lora_config_for
 from trl_diffusion.scripts.registry import trainer_classes
 from trl_diffusion.trainer import DiffusionSFTConfig, DiffusionSFTTrainer
 
-from helpers import distinct_chars, save_checkpoint, say_dataset, tiny_config, tiny_grpo_config
+from helpers import (
+    distinct_chars,
+    gradients,
+    rollout_batch,
+    save_checkpoint,
+    say_dataset,
+    select_rows,
+    tiny_config,
+    tiny_grpo_config,
+)
 
 STEPS = dict(max_denoising_steps=6, t_min=0.4, t_max=0.8)
 
@@ -486,3 +497,43 @@ def test_demo_runs_on_diffusion_gemma(tmp_path):
         ["--output_dir", str(tmp_path), *argv, "--model_family", "diffusion_gemma", "--min_improvement", "-100"]
     )
     assert summary["accuracy_reloaded"] == summary["accuracy_after_bgpo"]
+
+
+def test_rl_terms_on_diffusion_gemma_are_keyed_per_row_and_on_policy_bgpo_equals_vrpo(
+    gemma_dir, tiny_tokenizer, tmp_path
+):
+    """The old terms stored at rollout time equal the current policy's terms recomputed on the rows in another order
+    (the views are keyed per row, not per batch) and equal `denoising_terms` on `uniform_noise_plan`'s views; and
+    on-policy, BGPO's per-sample backward has VRPO's value and gradient."""
+    trainers = [
+        trainer_classes(name)[1](
+            model=gemma_dir,
+            reward_funcs=distinct_chars,
+            args=gemma_rl_args(name, tmp_path / name, num_mc_samples=3, num_iterations=2),
+            train_dataset=say_dataset(),
+            processing_class=tiny_tokenizer,
+        )
+        for name in ("vrpo", "bgpo")
+    ]
+    vrpo, bgpo = trainers
+    inputs = rollout_batch(vrpo)
+    stored = inputs["old_elbo_terms"][:, 0]
+    order = torch.arange(stored.shape[0]).flip(0)
+    with torch.no_grad():
+        recomputed = vrpo.elbo_terms(vrpo.model, select_rows(inputs, order), 0)
+        plan = uniform_noise_plan(vrpo.adapter, inputs["completion_canvas"], inputs["mask_seeds"], 0, 3)
+        independent = denoising_terms(vrpo.model, vrpo.adapter, *vrpo.rollout_inputs(inputs), plan)
+    torch.testing.assert_close(recomputed, stored[order], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(independent, stored, rtol=1e-5, atol=1e-5)
+
+    inputs["advantages"] = torch.linspace(-1.5, 2.0, stored.shape[0])
+    vrpo_loss = vrpo._compute_loss(vrpo.model, inputs)
+    vrpo_loss.backward()
+    vrpo_grads = gradients(vrpo.model)
+    bgpo._prepare_inputs = lambda generation_batch: inputs
+    bgpo.current_gradient_accumulation_steps = 1
+    bgpo_loss = bgpo.training_step(bgpo.model, inputs)
+    torch.testing.assert_close(bgpo_loss, vrpo_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert any(grad.abs().sum() > 0 for grad in vrpo_grads.values())
+    for name, grad in vrpo_grads.items():
+        torch.testing.assert_close(gradients(bgpo.model)[name], grad, rtol=1e-4, atol=1e-6, msg=name)
