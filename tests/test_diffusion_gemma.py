@@ -537,3 +537,10 @@ def test_rl_terms_on_diffusion_gemma_are_keyed_per_row_and_on_policy_bgpo_equals
     assert any(grad.abs().sum() > 0 for grad in vrpo_grads.values())
     for name, grad in vrpo_grads.items():
         torch.testing.assert_close(gradients(bgpo.model)[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_scoring_refuses_a_context_beyond_the_sliding_window(small_gemma, small_adapter):
+    prompt_ids, prompt_mask, completion_ids = small_batch()
+    adapter = dataclasses.replace(small_adapter, sliding_window=7)
+    with pytest.raises(ValueError, match="sliding window"):
+        canvas_logits(small_gemma, adapter, prompt_ids, prompt_mask, completion_ids, [completion_ids])

@@ -184,11 +184,13 @@ class EncoderDecoderAdapter:
         ).logits
 
     def check_window(self, context_length: int) -> None:
-        """Refuses to score a context longer than the sliding window: the encoder's sliding layers then drop keys the
-        decoder of an earlier canvas saw during generation, and one encoder pass cannot serve every canvas."""
-        if self.sliding_window is not None and context_length > self.sliding_window:
+        """Refuses to score a (padded) prompt plus completion that reaches the sliding window: the encoder's sliding
+        layers then drop keys the decoder of an earlier canvas saw during generation, and one encoder pass cannot
+        serve every canvas."""
+        # A sliding layer of the cache keeps its last `sliding_window - 1` keys.
+        if self.sliding_window is not None and context_length >= self.sliding_window:
             raise ValueError(
-                f"Prompt plus completion ({context_length} tokens) exceeds DiffusionGemma's sliding window "
+                f"Prompt plus completion ({context_length} tokens) reaches DiffusionGemma's sliding window "
                 f"({self.sliding_window}): its scoring runs the encoder once over the whole sequence, which is exact "
                 "only within the window. Shorten `max_prompt_length` / `max_completion_length`."
             )
@@ -405,7 +407,7 @@ def canvas_logits(
         raise ValueError(
             f"The completion length ({completion_length}) must be a multiple of the canvas length ({canvas_length})."
         )
-    adapter.check_window(int(prompt_mask.sum(-1).max()) + completion_length - canvas_length)
+    adapter.check_window(prompt_ids.shape[1] + completion_length)
     full_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids, dtype=prompt_mask.dtype)], dim=1)
     cache = adapter.encode(model, torch.cat([prompt_ids, completion_ids], dim=1), full_mask)
     # All views in one decoder batch per canvas: row r's views are rows r * n ... r * n + n - 1 of the cache.
