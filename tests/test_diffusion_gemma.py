@@ -497,6 +497,8 @@ def test_demo_runs_on_diffusion_gemma(tmp_path):
         ["--output_dir", str(tmp_path), *argv, "--model_family", "diffusion_gemma", "--min_improvement", "-100"]
     )
     assert summary["accuracy_reloaded"] == summary["accuracy_after_bgpo"]
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "DiffusionGemmaForBlockDiffusion.from_pretrained" in card and "DiffusionAdapter" not in card
 
 
 def test_rl_terms_on_diffusion_gemma_are_keyed_per_row_and_on_policy_bgpo_equals_vrpo(
