@@ -291,6 +291,12 @@ class DiffusionAdapter:
         base = unwrap_model(model)
         config = base.config
         model_type = getattr(config, "model_type", None)
+        if model_type == "diffusion_gemma":
+            raise ValueError(
+                "DiffusionGemma is not a masked diffusion model (its noise is uniform, it has no mask token, and an "
+                "encoder reads the prompt for a decoder that denoises the canvas): drive it with "
+                "`trl_diffusion.models.diffusion_gemma.EncoderDecoderAdapter` and `generate_diffusion_gemma`."
+            )
 
         if mask_token_id is None:
             mask_token_id = getattr(config, "mask_token_id", None)
