@@ -63,7 +63,8 @@ SPECS = {
     DiffusionRLConfig: Spec(
         parent=GRPOConfig,
         changes=frozenset(SAMPLER_ADDITIONS | {"generation_progress_bar", "leave_one_out", "mask_token_id"})
-        | {"max_consecutive_failed_reward_steps", "max_prompt_length"},
+        | {"max_consecutive_failed_reward_steps", "max_prompt_length", "dynamic_sampling"}
+        | {"max_dynamic_sampling_rounds"},
         defaults=dict(
             max_completion_length=512,
             temperature=1.0,
@@ -73,6 +74,8 @@ SPECS = {
             generation_progress_bar=False,
             leave_one_out=False,
             max_consecutive_failed_reward_steps=10,
+            dynamic_sampling=False,
+            max_dynamic_sampling_rounds=8,
             loss_type=GRPO_DEFAULTS["loss_type"],
         ),
     ),
@@ -409,6 +412,7 @@ CLI_VALUES = {
     "timestep_eps": 0.01,
     "p_mask_prompt": 0.3,
     "max_consecutive_failed_reward_steps": 3,
+    "max_dynamic_sampling_rounds": 3,
     # MDPO
     "sample_train_steps": 4,
     "reward_step_stride": 2,
