@@ -115,7 +115,8 @@ def test_the_cap_keeps_what_exists_and_logs_it(tiny_llada_dir, tmp_path, caplog)
 
 def test_extra_prompts_depend_only_on_the_step(tiny_llada_dir, tmp_path):
     """The extra prompts come from a permutation keyed by the optimizer step and micro-batch (what a resumed run
-    knows), never the batch's own prompts, and each process reads its own slice of it."""
+    knows), skip the prompts the batch already holds, and run out rather than repeat one; extra rounds draw their
+    rows' sampling noise and masks from keys of their own."""
     trainer = build(tiny_llada_dir, tmp_path, even_prompts_agree)
     first = trainer.extra_prompts(1, 2, {prompt_number_digest(0), prompt_number_digest(2)})
     again = trainer.extra_prompts(1, 2, {prompt_number_digest(0), prompt_number_digest(2)})
@@ -125,6 +126,13 @@ def test_extra_prompts_depend_only_on_the_step(tiny_llada_dir, tmp_path):
     trainer.state.global_step = 1
     later = [prompt_number(row["prompt"]) for row in trainer.extra_prompts(1, 2, set())[::4]]
     assert later != numbers
+    # 14 of the 16 prompts already drawn: the next round gets the other two, the one after none.
+    excluded = {prompt_number_digest(number) for number in range(16) if number not in (5, 12)}
+    assert sorted(prompt_number(row["prompt"]) for row in trainer.extra_prompts(1, 2, excluded)[::4]) == [5, 12]
+    assert trainer.extra_prompts(2, 2, excluded) is None
+    keys = trainer._rollout_row_keys(8)
+    trainer._rollout_attempt = 1
+    assert not set(keys) & set(trainer._rollout_row_keys(8))
 
 
 def prompt_number_digest(number: int) -> int:
