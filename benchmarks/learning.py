@@ -72,7 +72,7 @@ from trl_diffusion.scripts.registry import trainer_classes
 
 # The first five (shared with the memory and step-time benchmarks), the second wave (issue 16) and the trajectory
 # trainers.
-TRAJECTORY_TRAINERS = ("trace_rl", "cj_grpo", "agrpo")
+TRAJECTORY_TRAINERS = ("trace_rl", "cj_grpo", "agrpo", "dipo")
 TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
@@ -81,9 +81,9 @@ TRAINERS = {
 # Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
-LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
+LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO", "dipo": "DiPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
-COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
+COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred", "dipo": "teal"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
@@ -123,6 +123,9 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 # policy, which with num_iterations=1 is the current one detached: zero in value and gradient. So TraceRL is run
 # with `kl_target="reference"` (CJ-GRPO's and AGRPO's default), the others' anchor; AGRPO's recipe has beta 0.
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
+# DiPO's recipe has no KL (beta 0); it keeps the others' anchor, towards the SFT model, like AGRPO. Its rollouts keep
+# its own sampler defaults (threshold 0.9, top-k 50) and dynamic sampling, whose extra rollouts are reported.
+BETA["dipo"] = 0.04
 # EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient.
 BETA["ebpo"] = 0.04
 # Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
@@ -141,6 +144,16 @@ OBJECTIVE_FIELDS = {
     "trace_rl": ("transition_grouping", "transition_reduction", "pass_rate_range", "kl_target", "epsilon"),
     "cj_grpo": ("schedule", "eos_rejection_min", "transition_reduction", "kl_target", "epsilon", "scale_rewards"),
     "ebpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
+    "dipo": (
+        "ratio_level",
+        "transition_reduction",
+        "epsilon",
+        "epsilon_high",
+        "dynamic_sampling",
+        "max_dynamic_sampling_rounds",
+        "threshold",
+        "top_k",
+    ),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -156,6 +169,12 @@ RUN_METRICS = {
     "trace_rl": ("trajectory/kept_prompts", "trajectory/transitions_per_completion"),
     "cj_grpo": ("trajectory/transitions_per_completion",),
     "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),
+    "dipo": (
+        "trajectory/transitions_per_completion",
+        "dynamic_sampling/extra_rounds",
+        "dynamic_sampling/generated_groups_per_kept_group",
+        "dynamic_sampling/unfilled_groups",
+    ),
 }
 
 # The public code's objective of SPG, JustGRPO and AGRPO (`estimator="public"`), each a row of its own next to the

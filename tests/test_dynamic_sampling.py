@@ -225,3 +225,27 @@ def test_two_processes_run_the_same_rounds_and_fill_their_own_batches(tiny_llada
     rounds = [[entry["dynamic_sampling/extra_rounds"] for entry in run_logs] for run_logs in logs]
     print(f"\n[dynamic sampling, 2 processes] extra rounds per step {rounds[0]}")
     assert rounds[0] == rounds[1]
+
+
+def test_a_resumed_run_draws_the_extra_prompts_of_the_uninterrupted_run(tiny_llada_dir, tmp_path):
+    """Saved after step 1 and resumed, step 2 draws the extra prompts (and rollouts) the uninterrupted run drew: the
+    final weights are equal."""
+
+    def run(output_dir, checkpoint=None):
+        args = tiny_grpo_config(
+            DiffuGRPOConfig, output_dir, **SETTINGS, max_steps=2, save_strategy="steps", save_steps=1
+        )
+        trainer = tiny_trainer(
+            DiffuGRPOTrainer, tiny_llada_dir, args, reward_funcs=even_prompts_agree, train_dataset=say_dataset(16)
+        )
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return trainer
+
+    uninterrupted = run(tmp_path / "run")
+    logs = [entry for entry in uninterrupted.state.log_history if "loss" in entry]
+    assert sum(entry["dynamic_sampling/extra_rounds"] for entry in logs) > 0
+    resumed = run(tmp_path / "resumed", str(tmp_path / "run" / "checkpoint-1"))
+    resumed_logs = [entry for entry in resumed.state.log_history if "loss" in entry]
+    assert resumed_logs[-1]["dynamic_sampling/extra_rounds"] == logs[-1]["dynamic_sampling/extra_rounds"]
+    final = dict(uninterrupted.model.named_parameters())
+    assert all(torch.equal(parameter, final[name]) for name, parameter in resumed.model.named_parameters())

@@ -14,7 +14,7 @@ class DiPOConfig(TrajectoryRLConfig):
     (`ratio_level="transition"`), its old log-probs the training forward's, not the sampler's
     (`old_logprobs="recompute"`: on policy, the detached current policy, Eq. 7's "sg"); the mean over every step of
     the batch (`transition_reduction="transition"`, Eq. 8's `1 / sum_i |tau_i|`); the clip `[1 - 0.2, 1 + 0.28]`
-    (DiRL's code: `epsilon + 0.08` above); no KL (`beta=0.0`, the DAPO script's `KL=0`; the paper's reference KL is
+    (`epsilon=0.2`, `epsilon_high=0.28`: DiRL's code clips at `epsilon + 0.08` above); no KL (`beta=0.0`, the DAPO script's `KL=0`; the paper's reference KL is
     `beta > 0`, k3); DAPO's dynamic sampling (`dynamic_sampling=True`: groups whose rewards all agree are replaced by
     fresh prompts until the batch is full); and DiRL's rollouts: blocks of 4 (`block_length=4`, one step per token at
     most), tokens above confidence 0.9 committed together (`threshold=0.9`), `top_k=50`, temperature 1.0.
