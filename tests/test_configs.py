@@ -319,7 +319,12 @@ SPECS = {
             temperature=1.0,
             learning_rate=1e-6,
         ),
-        values={"ratio_level": "token", "transition_reduction": "token", "kl_estimator": "k2", "elbo_region": "canvas"},
+        values={
+            "ratio_level": "token",
+            "transition_reduction": "token",
+            "kl_estimator": "k2",
+            "elbo_region": "canvas",
+        },
     ),
     # CJ-GRPO: every step, Eq. 11, clip 0.5, k3 to the reference at 0.04, A = r - mean(r), ASS and EOSER.
     CJGRPOConfig: Spec(
