@@ -122,7 +122,9 @@ class TRLContractMixin:
       `_get_per_token_logps_and_entropies` (a zero placeholder here: the trainers score the canvas themselves, in
       `_score_rollouts`, which this override calls once TRL's method returns, and the placeholders are dropped).
       State crosses these calls in one place only, `self._handoff` ([`Handoff`]), set by `handoff` for the
-      duration of the call and reset when it returns; `_score_rollouts` runs inside it.
+      duration of the call and reset when it returns; `_score_rollouts` runs inside it. With `dynamic_sampling`,
+      everything before `_score_rollouts` (`rollout_attempt`) runs once per rollout attempt, and the kept groups are
+      merged, in the batch and in the handoff (`merge_attempts`), before `_score_rollouts` runs once on them.
     - `_prepare_inputs` then returns TRL's buffered micro-batch, to which this override adds the inner iteration.
     - `training_step` calls `compute_loss` -> `_compute_loss` (the subclass's objective). TRL's token-level loss,
       which d1's trainer reuses, calls `_get_per_token_logps_and_entropies` with the model inputs only: the batch
@@ -516,7 +518,7 @@ class DiffusionRLTrainer(
     sampler (`generate_rollout`), whose full canvases, commit steps and per-row mask seeds ride on the batch
     (`completion_canvas`, `commit_step`, `mask_seeds`), with whether a reward function scored the row (`scored_rows`);
     prompts are truncated from the left; a reward function that raises costs its batch, not the run; `leave_one_out`
-    rescales TRL's group advantages; checkpoints keep the rollout round in progress. A subclass defines
+    rescales TRL's group advantages; `dynamic_sampling` replaces groups whose rewards all agree by fresh prompts' groups; checkpoints keep the rollout round in progress. A subclass defines
     `_score_rollouts` (what its objective needs from the old and reference policies, computed once per rollout batch
     under no_grad) and `_compute_loss` (its objective), and, for an objective back-propagated part by part,
     `backward_in_pieces = True` and `loss_pieces`. `tools`, `rollout_func` and `environment_factory` are refused
