@@ -73,7 +73,7 @@ from trl_diffusion.scripts.registry import trainer_classes
 
 # The first five (shared with the memory and step-time benchmarks), the second wave (issue 16) and the trajectory
 # trainers.
-TRAJECTORY_TRAINERS = ("trace_rl", "cj_grpo", "agrpo")
+TRAJECTORY_TRAINERS = ("trace_rl", "cj_grpo", "agrpo", "dipo")
 TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
@@ -84,10 +84,10 @@ TRAINERS = {
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
 LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
-LABELS.update({"mdpo": "MDPO", "diffusion_dpo": "DPO (offline VRPO)"})
+LABELS.update({"mdpo": "MDPO", "dipo": "DiPO", "diffusion_dpo": "DPO (offline VRPO)"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
 COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
-COLORS.update({"mdpo": "teal", "diffusion_dpo": "indigo"})
+COLORS.update({"mdpo": "lightseagreen", "dipo": "teal", "diffusion_dpo": "indigo"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
@@ -130,6 +130,9 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
 # EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient; MDPO's k2 likewise.
 BETA.update({"ebpo": 0.04, "mdpo": 0.04})
+# DiPO's recipe has no KL (beta 0); it keeps the others' anchor, towards the SFT model, like AGRPO. Its rollouts keep
+# its own sampler defaults (threshold 0.9, top-k 50) and dynamic sampling, whose extra rollouts are reported.
+BETA["dipo"] = 0.04
 # Offline trainers learn from preference pairs, built once per seed from the SFT model's own samples with the RL
 # budget's rollouts (rl_steps x 8 prompts x 8 samples), then trained for rl_steps optimizer steps (`dpo_job`). Their
 # `beta` is DPO's (the weight of the ELBO differences inside the sigmoid, TRL's default), not a KL coefficient.
@@ -154,6 +157,16 @@ OBJECTIVE_FIELDS = {
     "ebpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
     "mdpo": ("sample_train_steps", "reward_step_stride", "running_confidence", "tempered_confidence", "epsilon"),
     "diffusion_dpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "beta"),
+    "dipo": (
+        "ratio_level",
+        "transition_reduction",
+        "epsilon",
+        "epsilon_high",
+        "dynamic_sampling",
+        "max_dynamic_sampling_rounds",
+        "threshold",
+        "top_k",
+    ),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -169,6 +182,12 @@ RUN_METRICS = {
     "trace_rl": ("trajectory/kept_prompts", "trajectory/transitions_per_completion"),
     "cj_grpo": ("trajectory/transitions_per_completion",),
     "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),
+    "dipo": (
+        "trajectory/transitions_per_completion",
+        "dynamic_sampling/extra_rounds",
+        "dynamic_sampling/generated_groups_per_kept_group",
+        "dynamic_sampling/unfilled_groups",
+    ),
 }
 
 # The public code's objective of SPG, JustGRPO and AGRPO (`estimator="public"`), each a row of its own next to the

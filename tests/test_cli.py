@@ -608,6 +608,7 @@ EXAMPLES = {
     "spg_countdown": "spg",
     "bgpo_sdar_countdown": "bgpo",
     "ebpo_sdar_countdown": "ebpo",
+    "dipo_sdar_math": "dipo",
     "trace_rl_gsm8k": "trace_rl",
     "cj_grpo_sudoku": "cj_grpo",
     "agrpo_sudoku": "agrpo",
@@ -788,6 +789,20 @@ def test_sdar_example_runs_one_step(tiny_tokenizer, tmp_path):
     argv += [*TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16", "--max_steps", "1"]
     argv += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mc_samples", "2"]
     assert run_recipe("bgpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_dipo_example_runs_one_step(tiny_tokenizer, tmp_path):
+    """DiRL's DAPO recipe on a tiny SDAR (blocks of 4), on Countdown (a procedural task) instead of MATH (a
+    download)."""
+    from trl_diffusion.models import build_tiny_sdar
+
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-sdar")
+    module = load_example("dipo_sdar_math")
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path / "run")]
+    argv += ["--dataset_name", "countdown", *TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16"]
+    argv += ["--max_steps", "1", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
+    assert run_recipe("dipo", module.RECIPE, argv) == 0
     assert (tmp_path / "run" / "model.safetensors").is_file()
 
 

@@ -22,6 +22,7 @@ from trl_diffusion.trainer import (
     DiffusionDPOConfig,
     DiffusionRLConfig,
     DiffusionSFTConfig,
+    DiPOConfig,
     EBPOConfig,
     ESPOConfig,
     JustGRPOConfig,
@@ -69,7 +70,8 @@ SPECS = {
     DiffusionRLConfig: Spec(
         parent=GRPOConfig,
         changes=frozenset(SAMPLER_ADDITIONS | {"generation_progress_bar", "leave_one_out", "mask_token_id"})
-        | {"max_consecutive_failed_reward_steps", "max_prompt_length"},
+        | {"max_consecutive_failed_reward_steps", "max_prompt_length", "dynamic_sampling"}
+        | {"max_dynamic_sampling_rounds"},
         defaults=dict(
             max_completion_length=512,
             temperature=1.0,
@@ -79,6 +81,8 @@ SPECS = {
             generation_progress_bar=False,
             leave_one_out=False,
             max_consecutive_failed_reward_steps=10,
+            dynamic_sampling=False,
+            max_dynamic_sampling_rounds=8,
             loss_type=GRPO_DEFAULTS["loss_type"],
         ),
     ),
@@ -302,6 +306,32 @@ SPECS = {
         ),
         values={"kl_estimator": "k2", "elbo_region": "canvas", "temperature": 1.0, "pass_rate_range": (0.1, 0.9)},
     ),
+    # DiPO (DiRL): a ratio per step, the mean over steps, clip [0.8, 1.28], no KL, dynamic sampling, DiRL's sampler.
+    DiPOConfig: Spec(
+        parent=TrajectoryRLConfig,
+        changes=frozenset({"ratio_level", "transition_reduction", "epsilon_high", "dynamic_sampling"})
+        | {"block_length", "threshold", "top_k"},
+        defaults=dict(
+            ratio_level="transition",
+            transition_reduction="transition",
+            epsilon=0.2,
+            epsilon_high=0.28,
+            beta=0.0,
+            dynamic_sampling=True,
+            block_length=4,
+            threshold=0.9,
+            top_k=50,
+            old_logprobs="recompute",
+            temperature=1.0,
+            learning_rate=1e-6,
+        ),
+        values={
+            "ratio_level": "token",
+            "transition_reduction": "token",
+            "kl_estimator": "k2",
+            "elbo_region": "canvas",
+        },
+    ),
     # CJ-GRPO: every step, Eq. 11, clip 0.5, k3 to the reference at 0.04, A = r - mean(r), ASS and EOSER.
     CJGRPOConfig: Spec(
         parent=TrajectoryRLConfig,
@@ -399,16 +429,17 @@ SPECS = {
 CONFIG_CLASSES = list(SPECS)
 
 # Non-default command-line values of numeric fields, chosen to be valid together with the sampler settings
-# `--max_completion_length 16` (block_length 4 -> 4 blocks, diffusion_steps 8, threshold needs remasking "margin");
+# `--max_completion_length 16` (block_length 8 -> 2 blocks, diffusion_steps 8, threshold needs remasking "margin");
 # booleans are flipped and fields with choices take another choice unless listed here.
 CLI_VALUES = {
     "mask_token_id": 5,
-    "block_length": 4,
+    "block_length": 8,
     "diffusion_steps": 8,
     "remasking": "margin",
     "cfg_scale": 1.5,
-    "threshold": 0.9,
+    "threshold": 0.8,
     "max_post_edit_steps": 4,
+    "top_k": 5,
     "eos_rejection_max": 0.9,
     "max_prompt_length": 64,
     "num_mc_samples": 3,
@@ -416,6 +447,7 @@ CLI_VALUES = {
     "timestep_eps": 0.01,
     "p_mask_prompt": 0.3,
     "max_consecutive_failed_reward_steps": 3,
+    "max_dynamic_sampling_rounds": 3,
     # MDPO
     "sample_train_steps": 4,
     "reward_step_stride": 2,
@@ -424,6 +456,7 @@ CLI_VALUES = {
     # GRPOConfig fields whose default a config changes.
     "loss_type": "grpo",
     "epsilon": 0.3,
+    "epsilon_high": 0.4,
     "beta": 0.1,
     "scale_rewards": "group",
     "temperature": 0.7,
@@ -463,7 +496,7 @@ SEPARATE_CLI_VALUES = {
     "edit_threshold": (0.5, {"remasking": "low_confidence", "lfpo_states": "forward"}),
     "estimator": ("public", {"early_stop": False}),
     # The sampler's log-probs are refused for merged transitions.
-    "old_logprobs": ("sampler", {"transition_grouping": 1}),
+    "old_logprobs": ("sampler", {"transition_grouping": 1, "top_k": 0}),
     "transition_grouping": (2, {"old_logprobs": "recompute"}),
 }
 # The public code's objectives refuse most other fields' non-default values: parsed with the defaults instead.

@@ -26,6 +26,8 @@ from trl_diffusion.trainer import (
     CoupledGRPOTrainer,
     DiffuGRPOConfig,
     DiffuGRPOTrainer,
+    DiPOConfig,
+    DiPOTrainer,
     ESPOConfig,
     ESPOTrainer,
     JustGRPOConfig,
@@ -72,6 +74,7 @@ TRAINERS = {
         "cj_grpo",
         "agrpo",
         "mdpo",
+        "dipo",
     )
 }
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
@@ -85,6 +88,7 @@ TRAJECTORY_SETTINGS = {
     "trace_rl": dict(kl_target="reference", pass_rate_range=None),
     "cj_grpo": {},
     "agrpo": dict(num_selected_transitions=2),
+    "dipo": {},
 }
 
 
@@ -294,6 +298,7 @@ class StepCounter(TrainerCallback):
         ("cj_grpo", True),
         ("agrpo", False),
         ("mdpo", True),
+        ("dipo", False),
     ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
@@ -381,6 +386,7 @@ ROUND_CASES = {
     "cj_grpo": (CJGRPOConfig, CJGRPOTrainer, dict(num_iterations=2)),
     "agrpo": (AGRPOConfig, AGRPOTrainer, dict(num_iterations=2, num_selected_transitions=2)),
     "mdpo": (MDPOConfig, MDPOTrainer, dict(num_iterations=2, sample_train_steps=2, gradient_accumulation_steps=1)),
+    "dipo": (DiPOConfig, DiPOTrainer, dict(num_iterations=2)),
 }
 
 

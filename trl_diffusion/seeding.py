@@ -5,6 +5,9 @@ never share a stream by accident.
 Keys of a rollout (`DiffusionRLTrainer`):
 
     rollout key = derive_seed(seed, ROLLOUT_TRAIN, global_step, micro-batch)   (ROLLOUT_EVAL, step, eval round)
+                  extra attempt a of dynamic sampling: derive_seed(rollout key, a)
+    extra prompts of dynamic sampling: a permutation of the training set, keyed_generator(seed,
+                  DYNAMIC_SAMPLING_PROMPTS, global_step, micro-batch)
     row key     = derive_seed(rollout key, global row index across processes)
     sampling    = derive_seed(row key, ROW_SAMPLING)    the generator of the row's sampling-noise key
     mask seed   = derive_seed(row key, ROW_MASKS) >> 2  stored on the batch as `mask_seeds`
@@ -42,6 +45,7 @@ import torch
 
 ROLLOUT_TRAIN = 0
 ROLLOUT_EVAL = 1
+DYNAMIC_SAMPLING_PROMPTS = 2
 ROW_SAMPLING = 0
 ROW_MASKS = 1
 MASK_COMPLETION = 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -94,3 +94,86 @@ class DiffusionGenerationOutput:
         prompt_length = self.sequences.shape[1] - self.completion_ids.shape[1]
         completion = self.completion_ids.masked_fill(self.commit_step >= step, self.mask_token_id)
         return torch.cat([self.sequences[:, :prompt_length], completion], dim=1)
+
+    def select(self, rows: torch.LongTensor) -> DiffusionGenerationOutput:
+        """The output of the rows `rows` only (every per-row field indexed; the pass counts kept).
+
+        Args:
+            rows (`torch.LongTensor` of shape `(n,)`):
+                Indices of the rows to keep, in the order to keep them.
+        """
+        values = {
+            spec.name: getattr(self, spec.name)[rows]
+            for spec in fields(self)
+            if torch.is_tensor(getattr(self, spec.name))
+        }
+        if self.history is not None:
+            values["history"] = [canvas[rows] for canvas in self.history]
+        return replace(self, **values)
+
+    @staticmethod
+    def concatenate(outputs: list[DiffusionGenerationOutput], pad_token_id: int) -> DiffusionGenerationOutput:
+        """The rows of several outputs (of different prompts, e.g. rollouts drawn in several rounds) as one output.
+
+        Prompts are left-padded with `pad_token_id` to the widest; the per-step records are padded to the most steps
+        with each row's final completion (log-probs 0), what a row that finished early records;
+        `num_forward_passes` is the sum and `tokens_per_forward` the row-weighted mean.
+
+        Args:
+            outputs (`list[DiffusionGenerationOutput]`):
+                Outputs of the same completion length.
+            pad_token_id (`int`):
+                The token that left-pads prompts.
+        """
+        if len(outputs) == 1:
+            return outputs[0]
+        length = outputs[0].completion_ids.shape[1]
+        width = max(output.sequences.shape[1] for output in outputs)
+
+        def left_padded(sequences: torch.Tensor) -> torch.Tensor:
+            padding = sequences.new_full((sequences.shape[0], width - sequences.shape[1]), pad_token_id)
+            return torch.cat([padding, sequences], dim=1)
+
+        values = {
+            "sequences": torch.cat([left_padded(output.sequences) for output in outputs]),
+            "num_forward_passes": sum(output.num_forward_passes for output in outputs),
+            "tokens_per_forward": sum(o.tokens_per_forward * len(o.steps_per_row) for o in outputs)
+            / sum(len(output.steps_per_row) for output in outputs),
+            "remasks_committed": any(output.remasks_committed for output in outputs),
+        }
+        per_row = (
+            "completion_ids",
+            "commit_step",
+            "steps_per_row",
+            "commit_logprob",
+            "commit_entropy",
+            "commit_sampled",
+        )
+        for name in per_row:
+            parts = [getattr(output, name) for output in outputs]
+            values[name] = None if any(part is None for part in parts) else torch.cat(parts)
+        if all(output.step_states is not None for output in outputs):
+            steps = max(output.step_states.shape[1] for output in outputs)
+            for name in ("step_states", "step_predictions", "step_logprobs"):
+                padded = []
+                for output in outputs:
+                    record = getattr(output, name)
+                    extra = steps - record.shape[1]
+                    if name == "step_logprobs":
+                        filler = record.new_zeros(record.shape[0], extra, length)
+                    else:
+                        filler = output.completion_ids[:, None].expand(-1, extra, -1)
+                    padded.append(torch.cat([record, filler], dim=1))
+                values[name] = torch.cat(padded)
+        else:
+            values.update(step_states=None, step_predictions=None, step_logprobs=None)
+        if all(output.history is not None for output in outputs):
+            if len({len(output.history) for output in outputs}) != 1:
+                raise ValueError("The outputs recorded different numbers of canvases (`record_steps`).")
+            values["history"] = [
+                torch.cat([left_padded(canvases[index]) for canvases in (o.history for o in outputs)])
+                for index in range(len(outputs[0].history))
+            ]
+        else:
+            values["history"] = None
+        return replace(outputs[0], **values)

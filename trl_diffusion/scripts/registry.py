@@ -79,6 +79,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "mdpo_trainer.MDPOTrainer",
         "MDPO: every step's prediction rewarded, PPO on the one-step denoiser along the schedule, RCR rollouts",
     ),
+    "dipo": (
+        "dipo_config.DiPOConfig",
+        "dipo_trainer.DiPOTrainer",
+        "DiPO (DiRL): GRPO on every denoising step with one ratio per step, DAPO's dynamic sampling",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

@@ -16,6 +16,8 @@ from .diffu_grpo_config import DiffuGRPOConfig
 from .diffu_grpo_trainer import DiffuGRPOTrainer
 from .diffusion_dpo_config import DiffusionDPOConfig
 from .diffusion_dpo_trainer import DataCollatorForDiffusionPreference, DiffusionDPOTrainer
+from .dipo_config import DiPOConfig
+from .dipo_trainer import DiPOTrainer
 from .ebpo_config import EBPOConfig
 from .ebpo_trainer import EBPOTrainer
 from .espo_config import ESPOConfig

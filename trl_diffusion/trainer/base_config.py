@@ -193,6 +193,16 @@ class DiffusionRLConfig(MaskTokenConfig, CheckedConfig, GRPOConfig):
             Stop training with an error naming the reward function when it scores no completion (it raised, or
             returned `None`, NaN or an infinite value for every row) in this many consecutive rollout batches.
             `None` never stops (for a reward function that legitimately skips whole batches).
+        dynamic_sampling (`bool`, *optional*, defaults to `False`):
+            DAPO's dynamic sampling, in training: a prompt group whose weighted rewards all agree (so its
+            advantages are 0) is dropped and replaced by a group of a fresh prompt of the training set, drawn in
+            extra rollout rounds until every process's batch is full of groups whose rewards differ. Each group keeps
+            the advantages of the round it was drawn in. Needs whole groups per process (`num_generations` divides
+            each process's share of `generation_batch_size`) and a training set that can be indexed. The cost is
+            logged (`dynamic_sampling/*`).
+        max_dynamic_sampling_rounds (`int`, *optional*, defaults to `8`):
+            The most extra rollout rounds per batch. When they are spent with the batch not full, the remaining
+            slots keep groups whose rewards agree (advantage 0), and `dynamic_sampling/unfilled_groups` counts them.
     """
 
     max_completion_length: int | None = sampler_field(
@@ -238,6 +248,20 @@ class DiffusionRLConfig(MaskTokenConfig, CheckedConfig, GRPOConfig):
         metadata={
             "help": "Stop training with an error when a reward function scores no completion (it raised, or "
             "returned None, NaN or inf for every row) in this many consecutive rollout batches. None never stops."
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: groups whose rewards all agree are replaced by groups of fresh prompts, "
+            "drawn in extra rollout rounds until the batch is full."
+        },
+    )
+    max_dynamic_sampling_rounds: int = field(
+        default=8,
+        metadata={
+            "help": "Most extra rollout rounds of dynamic sampling per batch; then the batch keeps groups whose "
+            "rewards agree."
         },
     )
 
@@ -309,6 +333,7 @@ class DiffusionRLConfig(MaskTokenConfig, CheckedConfig, GRPOConfig):
         "num_completions_to_print": integer(0, optional=True, note="None prints them all"),
         "max_prompt_length": integer(1, optional=True, note="None keeps prompts whole"),
         "max_consecutive_failed_reward_steps": integer(1, optional=True, note="rollout batches; None never stops"),
+        "max_dynamic_sampling_rounds": integer(1, note="extra rollout rounds per batch"),
         "reward_weights": number(optional=True, each=True, note="one weight per reward function; None weighs them 1"),
     }
 

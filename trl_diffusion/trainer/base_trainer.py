@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 from peft.utils.error import NoMatchingPeftModuleError
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.training_args import OptimizerNames
@@ -43,7 +43,16 @@ from ..models.diffusion_gemma import (
     denoising_steps_per_canvas,
     generate_diffusion_gemma,
 )
-from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, derive_seed
+from ..seeding import (
+    DYNAMIC_SAMPLING_PROMPTS,
+    ROLLOUT_EVAL,
+    ROLLOUT_TRAIN,
+    ROW_MASKS,
+    ROW_SAMPLING,
+    content_digest,
+    derive_seed,
+    keyed_generator,
+)
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
 from .base_config import DiffusionRLConfig
 from .contract import CHECKED_VERSIONS, contract_drift
@@ -65,6 +74,11 @@ logger = logging.getLogger(__name__)
 
 # Per process, in a checkpoint: the rollout round in progress and the counters that drive it.
 ROLLOUT_STATE_NAME = "rollout_state_{}.pt"
+
+
+def prompt_digests(prompts: list) -> list[int]:
+    """A digest of each prompt (text or conversation) that is the same on every process."""
+    return [content_digest(repr(prompt)) for prompt in prompts]
 
 
 @dataclass
@@ -114,7 +128,9 @@ class TRLContractMixin:
       `_get_per_token_logps_and_entropies` (a zero placeholder here: the trainers score the canvas themselves, in
       `_score_rollouts`, which this override calls once TRL's method returns, and the placeholders are dropped).
       State crosses these calls in one place only, `self._handoff` ([`Handoff`]), set by `handoff` for the
-      duration of the call and reset when it returns; `_score_rollouts` runs inside it.
+      duration of the call and reset when it returns; `_score_rollouts` runs inside it. With `dynamic_sampling`,
+      everything before `_score_rollouts` (`rollout_attempt`) runs once per rollout attempt, and the kept groups are
+      merged, in the batch and in the handoff (`merge_attempts`), before `_score_rollouts` runs once on them.
     - `_prepare_inputs` then returns TRL's buffered micro-batch, to which this override adds the inner iteration.
     - `training_step` calls `compute_loss` -> `_compute_loss` (the subclass's objective). TRL's token-level loss,
       which d1's trainer reuses, calls `_get_per_token_logps_and_entropies` with the model inputs only: the batch
@@ -130,6 +146,8 @@ class TRLContractMixin:
     """
 
     _handoff: Handoff | None = None
+    # The extra rollout attempt of dynamic sampling under way (0: the round's first attempt).
+    _rollout_attempt: int = 0
 
     @contextmanager
     def handoff(self, **values) -> Iterator[Handoff]:
@@ -184,43 +202,190 @@ class TRLContractMixin:
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
         self.start_rollout_round(mode)
-        with self.handoff(examples=inputs) as handoff:
-            with trl_checkpointing_deprecations_silenced():
-                output = super()._generate_and_score_completions(inputs)
+        with self.handoff(examples=inputs):
+            if mode == "train" and self.args.dynamic_sampling:
+                output = self.dynamically_sampled_rollouts(inputs)
+            else:
+                output = self.rollout_attempt(inputs, mode)
             if mode == "eval":
                 self._eval_rollouts += 1
-            output.pop("old_per_token_logps", None)
-            output.pop("ref_per_token_logps", None)
-            rollout = handoff.rollout
-            # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
-            output["completion_canvas"] = rollout.completion_ids
-            output["mask_seeds"] = handoff.mask_seeds
-            output["commit_step"] = rollout.commit_step
-            if rollout.commit_logprob is not None:
-                # Recorded when a trajectory-level trainer's sampler config asks for it (`record_commit_logprobs`).
-                output["commit_logprob"] = rollout.commit_logprob
-                output["commit_entropy"] = rollout.commit_entropy
-                output["commit_sampled"] = rollout.commit_sampled
-            # Whether some reward function scored the row (TRL gives the others advantage 0), this process's slice.
-            scored_rows = handoff.scored_rows
-            num_rows = rollout.completion_ids.shape[0]
-            first_row = self.accelerator.process_index * num_rows
-            output["scored_rows"] = scored_rows[first_row : first_row + num_rows]
-            if self.args.leave_one_out:
-                output["advantages"] = self.leave_one_out_advantages(output["advantages"], scored_rows, mode)
-
-            metrics = self._metrics[mode]
-            metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
-            metrics["diffusion/tokens_per_forward"].append(rollout.tokens_per_forward)
-            for name in self.reward_func_names:
-                metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
-
             with (
                 torch.no_grad(),
                 activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs),
             ):
                 output.update(self._score_rollouts(output, mode))
         return output
+
+    def rollout_attempt(self, inputs: list[dict], mode: str) -> dict:
+        """One pass of TRL's rollout round over the dataset rows `inputs` (inside the round's handoff): the sampler,
+        the rewards and the advantages, with the canvases, commit steps, mask seeds and scored rows added to TRL's
+        batch; the handoff holds its rollout and rewards. `_score_rollouts` is not called."""
+        handoff = self._handoff
+        handoff.examples = inputs
+        with trl_checkpointing_deprecations_silenced():
+            output = super()._generate_and_score_completions(inputs)
+        output.pop("old_per_token_logps", None)
+        output.pop("ref_per_token_logps", None)
+        rollout = handoff.rollout
+        # The canvas as generated (batch-first, so TRL's shuffle and split keep it aligned with its row).
+        output["completion_canvas"] = rollout.completion_ids
+        output["mask_seeds"] = handoff.mask_seeds
+        output["commit_step"] = rollout.commit_step
+        if rollout.commit_logprob is not None:
+            # Recorded when a trajectory-level trainer's sampler config asks for it (`record_commit_logprobs`).
+            output["commit_logprob"] = rollout.commit_logprob
+            output["commit_entropy"] = rollout.commit_entropy
+            output["commit_sampled"] = rollout.commit_sampled
+        # Whether some reward function scored the row (TRL gives the others advantage 0), this process's slice.
+        scored_rows = handoff.scored_rows
+        num_rows = rollout.completion_ids.shape[0]
+        first_row = self.accelerator.process_index * num_rows
+        output["scored_rows"] = scored_rows[first_row : first_row + num_rows]
+        if self.args.leave_one_out:
+            output["advantages"] = self.leave_one_out_advantages(output["advantages"], scored_rows, mode)
+
+        metrics = self._metrics[mode]
+        metrics["diffusion/forward_passes"].append(float(rollout.num_forward_passes))
+        metrics["diffusion/tokens_per_forward"].append(rollout.tokens_per_forward)
+        for name in self.reward_func_names:
+            metrics[f"rewards/{name}/errors"].append(float(self._reward_errors.pop(name, 0)))
+        return output
+
+    # ------------------------------------------------------------------ dynamic sampling
+
+    def dynamically_sampled_rollouts(self, inputs: list[dict]) -> dict:
+        """DAPO's dynamic sampling (`dynamic_sampling`): rollout attempts over `inputs`, then over fresh prompts
+        ([`extra_prompts`]), until every process holds as many groups whose rewards differ as its batch has, or
+        `max_dynamic_sampling_rounds` extra attempts are spent (the remaining slots then keep groups whose rewards
+        agree). Returns the batch of the kept groups, each with the advantages of its own attempt, and leaves their
+        rollout, mask seeds, dataset rows and gathered rewards in the handoff.
+
+        Every process runs the same number of attempts (their rewards are gathered): each one decides from the
+        gathered rewards, which every process holds, how many groups every process still lacks."""
+        handoff = self._handoff
+        group_size = self.num_generations
+        num_processes, process = self.accelerator.num_processes, self.accelerator.process_index
+        num_rows = len(inputs)
+        num_groups = num_rows // group_size
+        attempts, kept, spare = [], [], []
+        filled = torch.zeros(num_processes, dtype=torch.long)
+        excluded = set(prompt_digests(gather_object([example["prompt"] for example in inputs[::group_size]])))
+        examples = inputs
+        for attempt in range(self.args.max_dynamic_sampling_rounds + 1):
+            self._rollout_attempt = attempt
+            try:
+                output = self.rollout_attempt(examples, "train")
+            finally:
+                self._rollout_attempt = 0
+            informative = self.informative_groups(handoff.rewards_per_func).cpu().view(num_processes, num_groups)
+            rows = torch.arange(process * num_rows, (process + 1) * num_rows)
+            attempts.append((output, handoff.rollout, handoff.rewards_per_func[rows], examples))
+            for group in range(num_groups):
+                (kept if informative[process, group] else spare).append((attempt, group))
+            filled += informative.sum(dim=1)
+            if bool((filled >= num_groups).all()) or attempt == self.args.max_dynamic_sampling_rounds:
+                break
+            examples = self.extra_prompts(attempt + 1, num_groups, excluded)
+            if examples is None:
+                logger.warning("Dynamic sampling ran out of fresh prompts in the training set for this batch.")
+                break
+        num_attempts = len(attempts)
+        unfilled = int((num_groups - filled.clamp(max=num_groups)).sum())
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/extra_rounds"].append(float(num_attempts - 1))
+        metrics["dynamic_sampling/generated_groups_per_kept_group"].append(
+            num_attempts * num_groups * num_processes / max(num_groups * num_processes - unfilled, 1)
+        )
+        metrics["dynamic_sampling/unfilled_groups"].append(float(unfilled))
+        if unfilled:
+            logger.warning(
+                "Dynamic sampling kept %d group(s) whose rewards all agree (advantage 0) after %d extra rollout "
+                "round(s) (`max_dynamic_sampling_rounds`): too few prompts of this batch's draws had rewards that "
+                "differ.",
+                unfilled,
+                num_attempts - 1,
+            )
+        chosen = (kept + spare)[:num_groups]
+        return self.merge_attempts(attempts, chosen)
+
+    def informative_groups(self, rewards_per_func: torch.Tensor) -> torch.BoolTensor:
+        """Per group of the gathered batch, whether its scored completions' weighted rewards differ (a group whose
+        rewards all agree, or with no scored completion, has advantage 0), shape `(global groups,)`."""
+        rewards = self.weighted_rewards(rewards_per_func).view(-1, self.num_generations)
+        scored = ~torch.isnan(rewards)
+        highest = torch.where(scored, rewards, torch.full_like(rewards, -torch.inf)).amax(dim=1)
+        lowest = torch.where(scored, rewards, torch.full_like(rewards, torch.inf)).amin(dim=1)
+        return scored.any(dim=1) & (highest > lowest)
+
+    def extra_prompts(self, attempt: int, num_groups: int, excluded: set[int]) -> list[dict] | None:
+        """This process's dataset rows for extra rollout attempt `attempt` of dynamic sampling, each repeated
+        `num_generations` times: `num_groups` prompts per process, read in a permutation of the training set keyed
+        by (seed, step, micro-batch), as every process reads it, skipping prompts already drawn for this batch
+        (`excluded`, updated). `None` when the training set has too few such prompts left. The permutation depends
+        only on the optimizer step, so a resumed run draws the same prompts."""
+        dataset = self.train_dataset
+        if attempt == 1:
+            micro_batch = self._step % self.args.gradient_accumulation_steps
+            generator = keyed_generator(self.args.seed, DYNAMIC_SAMPLING_PROMPTS, self.state.global_step, micro_batch)
+            self._extra_prompt_order = torch.randperm(len(dataset), generator=generator).tolist()
+            self._extra_prompt_cursor = 0
+        order = self._extra_prompt_order
+        wanted = num_groups * self.accelerator.num_processes
+        drawn = []
+        while self._extra_prompt_cursor < len(order) and len(drawn) < wanted:
+            row = dataset[order[self._extra_prompt_cursor]]
+            self._extra_prompt_cursor += 1
+            digest = prompt_digests([row["prompt"]])[0]
+            if digest not in excluded:
+                excluded.add(digest)
+                drawn.append(row)
+        if len(drawn) < wanted:
+            return None
+        first = self.accelerator.process_index * num_groups
+        return [row for row in drawn[first : first + num_groups] for _ in range(self.num_generations)]
+
+    def merge_attempts(self, attempts: list[tuple], chosen: list[tuple[int, int]]) -> dict:
+        """The batch of the `chosen` (attempt, group) pairs of this process, from each attempt's (TRL batch, rollout,
+        this process's rewards, dataset rows): prompts re-padded on the left and TRL's cut completions on the right,
+        `num_items_in_batch` recounted; the handoff gets the merged rollout, mask seeds, rows and gathered rewards."""
+        group_size = self.num_generations
+        pad_token_id = self._tokenizer.pad_token_id
+        outputs, rollouts, rewards, examples = [], [], [], []
+        for index, (output, rollout, attempt_rewards, attempt_examples) in enumerate(attempts):
+            groups = [group for attempt, group in chosen if attempt == index]
+            if not groups:
+                continue
+            rows = torch.tensor([group * group_size + member for group in groups for member in range(group_size)])
+            device_rows = rows.to(output["advantages"].device)
+            outputs.append(
+                {
+                    key: value[device_rows] if torch.is_tensor(value) and value.dim() > 0 else value
+                    for key, value in output.items()
+                }
+            )
+            rollouts.append(rollout.select(device_rows))
+            rewards.append(attempt_rewards[device_rows])
+            examples.extend(attempt_examples[row] for row in rows.tolist())
+        merged = {}
+        for key, value in outputs[0].items():
+            parts = [output[key] for output in outputs]
+            if key in ("prompt_ids", "prompt_mask"):
+                fill = pad_token_id if key == "prompt_ids" else 0
+                merged[key] = pad([row for part in parts for row in part], fill, padding_side="left")
+            elif key in ("completion_ids", "completion_mask"):
+                fill = pad_token_id if key == "completion_ids" else 0
+                merged[key] = pad([row for part in parts for row in part], fill, padding_side="right")
+            elif torch.is_tensor(value) and value.dim() > 0:
+                merged[key] = torch.cat(parts)
+            else:
+                merged[key] = value
+        merged["num_items_in_batch"] = self.accelerator.gather(merged["completion_mask"].sum()).sum()
+        handoff = self._handoff
+        handoff.rollout = DiffusionGenerationOutput.concatenate(rollouts, pad_token_id)
+        handoff.mask_seeds = merged["mask_seeds"]
+        handoff.examples = examples
+        handoff.rewards_per_func = self.accelerator.gather(torch.cat(rewards))
+        return merged
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
@@ -359,7 +524,7 @@ class DiffusionRLTrainer(
     sampler (`generate_rollout`), whose full canvases, commit steps and per-row mask seeds ride on the batch
     (`completion_canvas`, `commit_step`, `mask_seeds`), with whether a reward function scored the row (`scored_rows`);
     prompts are truncated from the left; a reward function that raises costs its batch, not the run; `leave_one_out`
-    rescales TRL's group advantages; checkpoints keep the rollout round in progress. A subclass defines
+    rescales TRL's group advantages; `dynamic_sampling` replaces groups whose rewards all agree by fresh prompts' groups; checkpoints keep the rollout round in progress. A subclass defines
     `_score_rollouts` (what its objective needs from the old and reference policies, computed once per rollout batch
     under no_grad) and `_compute_loss` (its objective), and, for an objective back-propagated part by part,
     `backward_in_pieces = True` and `loss_pieces`. `tools`, `rollout_func` and `environment_factory` are refused
@@ -521,6 +686,27 @@ class DiffusionRLTrainer(
                 "truncated from the left to `max_prompt_length`)."
             )
         self._eval_rollouts = 0
+        if self.args.dynamic_sampling:
+            self._check_dynamic_sampling_support()
+
+    def _check_dynamic_sampling_support(self) -> None:
+        """Refuses dynamic sampling where its extra prompts or its whole groups per process cannot be had."""
+        dataset = self.train_dataset
+        if dataset is not None and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(
+                "`dynamic_sampling=True` draws fresh prompts from `train_dataset` by index, and this one cannot be "
+                "indexed (an IterableDataset?): pass a map-style dataset (`datasets.Dataset`), or set "
+                "`dynamic_sampling=False`."
+            )
+        local_batch = self.args.generation_batch_size // self.accelerator.num_processes
+        if local_batch % self.num_generations != 0:
+            raise ValueError(
+                f"`dynamic_sampling=True` replaces whole prompt groups on each process, and each of the "
+                f"{self.accelerator.num_processes} processes holds {local_batch} completions of the generation batch "
+                f"(`generation_batch_size`={self.args.generation_batch_size}), which `num_generations`="
+                f"{self.num_generations} does not divide: make `per_device_train_batch_size * steps_per_generation` a "
+                "multiple of `num_generations`, or set `dynamic_sampling=False`."
+            )
 
     def check_rollout_model(self, adapter: DiffusionAdapter) -> None:
         """Refuses a model the rollouts cannot decode with these sampler settings (a block-causal model's block size
@@ -608,6 +794,9 @@ class DiffusionRLTrainer(
             # when training resumes from a checkpoint, and the resumed run must draw the rollouts it would have drawn.
             micro_batch = self._step % self.args.gradient_accumulation_steps
             rollout_key = derive_seed(self.args.seed, ROLLOUT_TRAIN, self.state.global_step, micro_batch)
+            if self._rollout_attempt:
+                # An extra rollout attempt of dynamic sampling: rows of its own, never those of the first attempt.
+                rollout_key = derive_seed(rollout_key, self._rollout_attempt)
         else:
             rollout_key = derive_seed(self.args.seed, ROLLOUT_EVAL, self.state.global_step, self._eval_rollouts)
         first_row = self.accelerator.process_index * num_rows

@@ -17,7 +17,7 @@ RATIO_LEVELS = ("token", "transition")
 OLD_LOGPROB_SOURCES = ("recompute", "sampler")
 KL_TARGETS = ("reference", "old")
 TRAJECTORY_KL_ESTIMATORS = ("k3", "k2")
-TRANSITION_REDUCTIONS = ("sample", "transition", "response", "pooled")
+TRANSITION_REDUCTIONS = ("sample", "transition", "response", "pooled", "token")
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,9 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             How token losses add up: `sample` (CJ-GRPO's Eq. 11: token mean per transition, mean over the sample's
             transitions, mean over samples), `transition` (TraceRL: token mean per transition, mean over every
             transition of the batch), `response` (TraceRL's block variant: token sum per transition divided by L,
-            mean over every transition of the batch) or `pooled` (CJ-GRPO's code: per sampler step, the token mean
-            over the batch; then the mean over the steps).
+            mean over every transition of the batch), `pooled` (CJ-GRPO's code: per sampler step, the token mean
+            over the batch; then the mean over the steps) or `token` (DAPO's token-level mean, DiRL's code: the token
+            sum over the batch divided by its number of target tokens).
         score_at_sampling_temperature (`bool`, *optional*, defaults to `True`):
             Score tokens under the distribution the sampler drew them from, `softmax(logits / temperature)` (the
             policy the rollouts are a sample of). Off, the untempered softmax is scored, as TraceRL's and CJ-GRPO's
@@ -131,7 +132,7 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
         default="sample",
         metadata={
             "help": "How token losses add up: sample (CJ-GRPO Eq. 11), transition (TraceRL), response (TraceRL "
-            "block), pooled (CJ-GRPO code).",
+            "block), pooled (CJ-GRPO code), token (DAPO's token mean, DiRL code).",
             "choices": list(TRANSITION_REDUCTIONS),
         },
     )

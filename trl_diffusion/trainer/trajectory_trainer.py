@@ -266,9 +266,11 @@ class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
             num_steps_scored = (pooled > 0).sum().clamp(min=1)
             per_transition = 1.0 / (pooled[step] * num_steps_scored)
         else:
-            counts = torch.stack([(num_transitions > 0).sum().float(), num_transitions.sum()])
-            num_rows, total_transitions = self.accelerator.gather(counts[None]).sum(dim=0).clamp(min=1)
-            if reduction == "sample":
+            counts = torch.stack([(num_transitions > 0).sum().float(), num_transitions.sum(), targets.sum().float()])
+            num_rows, total_transitions, total_tokens = self.accelerator.gather(counts[None]).sum(dim=0).clamp(min=1)
+            if reduction == "token":
+                per_transition = torch.full_like(sizes, 1.0 / total_tokens)
+            elif reduction == "sample":
                 per_transition = 1.0 / (sizes * num_transitions[:, None] * num_rows)
             elif reduction == "transition":
                 per_transition = 1.0 / (sizes * total_transitions)
