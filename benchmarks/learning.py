@@ -77,13 +77,14 @@ TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
     "ebpo": trainer_classes("ebpo"),
+    "igpo": trainer_classes("igpo"),
 }
 # Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
-LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
+LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO", "igpo": "IGPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
-COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
+COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred", "igpo": "teal"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
@@ -125,8 +126,14 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
 # EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient.
 BETA["ebpo"] = 0.04
-# Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
-OVERRIDES = {"trace_rl": {"kl_target": "reference"}}
+# IGPO keeps the others' KL coefficient (its recipe's 0.01 is a default of its config, overridden here like the rest).
+BETA["igpo"] = 0.04
+# Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md. IGPO's reference solution is the
+# task's answer (one token): its hint chunks are single tokens.
+OVERRIDES = {
+    "trace_rl": {"kl_target": "reference"},
+    "igpo": {"solution_column": "answer", "hint_chunk_min_tokens": 1, "hint_chunk_max_tokens": 1},
+}
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "diffu_grpo": ("p_mask_prompt",),
@@ -141,6 +148,7 @@ OBJECTIVE_FIELDS = {
     "trace_rl": ("transition_grouping", "transition_reduction", "pass_rate_range", "kl_target", "epsilon"),
     "cj_grpo": ("schedule", "eos_rejection_min", "transition_reduction", "kl_target", "epsilon", "scale_rewards"),
     "ebpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
+    "igpo": ("p_mask_prompt", "epsilon", "hint_ratio_min", "hint_ratio_max", "max_hinted_replacements"),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -153,6 +161,7 @@ OBJECTIVE_FIELDS = {
 }
 # Per-step metrics of a trainer averaged over its run and reported with it.
 RUN_METRICS = {
+    "igpo": ("igpo/failed_groups", "igpo/hinted_correct", "igpo/replaced"),
     "trace_rl": ("trajectory/kept_prompts", "trajectory/transitions_per_completion"),
     "cj_grpo": ("trajectory/transitions_per_completion",),
     "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),

@@ -2,25 +2,26 @@
 and the loss and gradient against an independent computation (reference, old and current policies all different)."""
 
 import pytest
+import test_objective_oracles
 import torch
 from datasets import Dataset
+from test_objective_oracles import (
+    ADVANTAGES,
+    PERTURBATION,
+    assert_same_loss_and_gradients,
+    mean_field_reference,
+    moved_policy_loss_and_gradients,
+    token_grpo_reference_loss,
+)
 from transformers import AutoModelForCausalLM
 
 from trl_diffusion.trainer import IGPOConfig, IGPOTrainer
 from trl_diffusion.trainer.igpo_trainer import failed_groups, hint_canvas, solution_chunks, top_fraction
 
 from helpers import completion_texts, perturb, say_prompts, tiny_grpo_config, tiny_trainer
-from test_objective_oracles import (  # noqa: F401 (sensitive_llada_dir is a fixture)
-    ADVANTAGES,
-    PERTURBATION,
-    assert_same_loss_and_gradients,
-    canvas_logprobs,
-    mean_field_reference,
-    moved_policy_loss_and_gradients,
-    sensitive_llada_dir,
-    token_grpo_reference_loss,
-)
 
+# The oracles' tiny LLaDA with weights large enough for predictions to depend on the input.
+sensitive_llada_dir = test_objective_oracles.sensitive_llada_dir
 MASK = 99
 # Solutions per prompt: the second is empty, so that every completion of its group is correct and it never fails.
 SOLUTIONS = ("zqzqzqzq", "")

@@ -79,6 +79,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "mdpo_trainer.MDPOTrainer",
         "MDPO: every step's prediction rewarded, PPO on the one-step denoiser along the schedule, RCR rollouts",
     ),
+    "igpo": (
+        "igpo_config.IGPOConfig",
+        "igpo_trainer.IGPOTrainer",
+        "IGPO: d1's GRPO, groups that all fail regenerated with reference-solution chunks inpainted as hints",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

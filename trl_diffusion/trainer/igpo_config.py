@@ -36,8 +36,9 @@ class IGPOConfig(DiffuGRPOConfig):
         hint_chunk_max_tokens (`int`, *optional*, defaults to `10`):
             Largest chunk of the solution, in tokens.
         max_hinted_replacements (`int`, *optional*, defaults to `4`):
-            In a failed group, at most this many completions are replaced by correct hinted ones (the paper's
-            replacement budget; fewer when fewer hinted completions are correct). Must be below `num_generations`.
+            In a failed group, at most this many completions are replaced by correct hinted ones (the code's
+            `max_replacements`; fewer when fewer hinted completions are correct), and never all of them: at most
+            `num_generations - 1` (a group of correct completions only has no advantage again).
         hint_entropy_ratio (`float`, *optional*, defaults to `0.2`):
             Entropy filtering: of the hint tokens of a completion, only this top fraction by the rollout policy's
             entropy at their position (at least one) is in the loss; generated tokens are all kept. 1.0 keeps
@@ -100,10 +101,4 @@ class IGPOConfig(DiffuGRPOConfig):
             raise ValueError(
                 f"`hint_chunk_min_tokens` ({self.hint_chunk_min_tokens}) exceeds `hint_chunk_max_tokens` "
                 f"({self.hint_chunk_max_tokens})."
-            )
-        if self.max_hinted_replacements >= self.num_generations:
-            raise ValueError(
-                f"`max_hinted_replacements` ({self.max_hinted_replacements}) must be below `num_generations` "
-                f"({self.num_generations}): a failed group whose every completion is replaced by a correct one has "
-                "equal rewards again, and so no gradient."
             )

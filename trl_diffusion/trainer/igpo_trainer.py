@@ -163,12 +163,14 @@ class IGPOTrainer(DiffuGRPOTrainer, name="IGPO", tags=("igpo", "inpainting"), pa
 
         # Which rows take their hinted completion: per group, the first `max_hinted_replacements` correct ones in
         # global row order (decided from gathered values, so every process decides the same).
+        # Never the whole group: all correct, it would have no advantage again.
+        budget = min(args.max_hinted_replacements, group_size - 1)
         replaced_per_group: dict[int, int] = {}
         replace_local = []
         for owner in range(failed_rows.shape[0]):
             for slot, row in enumerate(failed_rows[owner].nonzero().flatten().tolist()):
                 group = (owner * num_rows + row) // group_size
-                if correct[owner, slot] and replaced_per_group.get(group, 0) < args.max_hinted_replacements:
+                if correct[owner, slot] and replaced_per_group.get(group, 0) < budget:
                     replaced_per_group[group] = replaced_per_group.get(group, 0) + 1
                     if owner == process:
                         replace_local.append((slot, row))
