@@ -18,7 +18,16 @@ from transformers import AutoModelForCausalLM
 from trl_diffusion.trainer import IGPOConfig, IGPOTrainer
 from trl_diffusion.trainer.igpo_trainer import failed_groups, hint_canvas, solution_chunks, top_fraction
 
-from helpers import completion_texts, perturb, say_prompts, tiny_grpo_config, tiny_trainer
+from helpers import (
+    assert_same_update,
+    completion_texts,
+    load_ddp_worker,
+    perturb,
+    run_ddp_worker,
+    say_prompts,
+    tiny_grpo_config,
+    tiny_trainer,
+)
 
 # The oracles' tiny LLaDA with weights large enough for predictions to depend on the input.
 sensitive_llada_dir = test_objective_oracles.sensitive_llada_dir
@@ -198,3 +207,24 @@ def test_loss_and_gradient_with_entropy_filtered_hints(sensitive_llada_dir, tmp_
             trainer,
         )
         assert_same_loss_and_gradients(model, loss, actual, expected_loss)
+
+
+@pytest.mark.slow
+def test_two_processes_inpaint_and_train_like_one_process(tiny_llada_dir, tmp_path):
+    """torchrun, 2 processes (gloo, CPU), 6 rows each in 2 micro-batches of 3, groups of 4 (the middle one split
+    between the ranks): the rollouts (hinted ones included), advantages and the update equal one process's over the
+    same 12 rows. Only the last group fails, all on rank 1, so rank 0 runs padding regenerations to keep the sampler
+    and the reward gather collective."""
+    one = load_ddp_worker().train_one_step(
+        tiny_llada_dir, str(tmp_path / "one"), 12, num_generations=4, trainer="igpo"
+    )
+    arguments = ["--model-dir", tiny_llada_dir, "--trainer", "igpo", "--num-generations", "4"]
+    arguments += ["--per-device-train-batch-size", "3", "--gradient-accumulation-steps", "2"]
+    ranks = run_ddp_worker(tmp_path / "ddp", 2, *arguments)
+    reference = one["rollouts"][0]
+    hinted_rows = (reference["commit_step"] < 0).any(dim=1)
+    assert hinted_rows.tolist() == [False] * 8 + [True, True, False, False]  # the test has power
+    for key in ("completion_canvas", "commit_step", "mask_seeds", "advantages"):
+        merged = torch.cat([run["rollouts"][0][key] for run in ranks])
+        assert torch.equal(merged, reference[key]), key
+    assert_same_update(ranks, one, "two processes vs one")

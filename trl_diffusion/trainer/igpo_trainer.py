@@ -141,7 +141,8 @@ class IGPOTrainer(DiffuGRPOTrainer, name="IGPO", tags=("igpo", "inpainting"), pa
         local = failed_rows[process].nonzero().flatten().tolist()
         rows = (local + [local[0] if local else 0] * width)[:width]
         row_keys = self._rollout_row_keys(num_rows)
-        keys = [derive_seed(row_keys[row], ROW_HINTS, slot) for slot, row in enumerate(rows)]
+        # Keyed by the row alone (not its slot here), so a row's hints do not depend on how rows split over processes.
+        keys = [derive_seed(row_keys[row], ROW_HINTS) for row in rows]
         canvases = [
             hint_canvas(
                 self.solution_ids(row),
