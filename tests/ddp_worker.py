@@ -39,9 +39,10 @@ TRAINERS = {
 # AGRPO's settings in the check: 3 entropy-weighted Monte Carlo transitions and CJ-GRPO's pooled reduction, whose
 # denominators count every process's tokens.
 AGRPO_SETTINGS = {"num_selected_transitions": 3, "transition_reduction": "pooled"}
-# IGPO's: a completion is correct with IGPO_THRESHOLD distinct characters, which some groups of the random model miss;
-# the hinted completions are the whole solution (16 distinct characters), so they are correct.
-IGPO_THRESHOLD = 15.0
+# IGPO's: a completion is correct with 16 distinct characters, which most groups of the random model miss; the hinted
+# completions hold the whole solution (16 distinct characters) but a last piece shorter than a chunk, which the model
+# fills: correct or not, and which rows get one depends on the row's hint key.
+IGPO_THRESHOLD = 16.0
 IGPO_SETTINGS = {
     "success_threshold": IGPO_THRESHOLD,
     "hint_ratio_min": 1.0,

@@ -213,8 +213,8 @@ def test_loss_and_gradient_with_entropy_filtered_hints(sensitive_llada_dir, tmp_
 def test_two_processes_inpaint_and_train_like_one_process(tiny_llada_dir, tmp_path):
     """torchrun, 2 processes (gloo, CPU), 6 rows each in 2 micro-batches of 3, groups of 4 (the middle one split
     between the ranks): the rollouts (hinted ones included), advantages and the update equal one process's over the
-    same 12 rows. Only the last group fails, all on rank 1, so rank 0 runs padding regenerations to keep the sampler
-    and the reward gather collective."""
+    same 12 rows. The first and last groups fail; the last one's rows are the first failed rows of rank 1 but the
+    fifth to eighth of the one-process batch, so hints keyed by anything but the row would differ."""
     one = load_ddp_worker().train_one_step(
         tiny_llada_dir, str(tmp_path / "one"), 12, num_generations=4, trainer="igpo"
     )
@@ -223,7 +223,7 @@ def test_two_processes_inpaint_and_train_like_one_process(tiny_llada_dir, tmp_pa
     ranks = run_ddp_worker(tmp_path / "ddp", 2, *arguments)
     reference = one["rollouts"][0]
     hinted_rows = (reference["commit_step"] < 0).any(dim=1)
-    assert hinted_rows.tolist() == [False] * 8 + [True, True, False, False]  # the test has power
+    assert hinted_rows.tolist() == [True, True, False, False] + [False] * 4 + [True, True, False, False]
     for key in ("completion_canvas", "commit_step", "mask_seeds", "advantages"):
         merged = torch.cat([run["rollouts"][0][key] for run in ranks])
         assert torch.equal(merged, reference[key]), key
