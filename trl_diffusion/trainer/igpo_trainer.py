@@ -84,6 +84,8 @@ class IGPOTrainer(DiffuGRPOTrainer, name="IGPO", tags=("igpo", "inpainting"), pa
     """
 
     config_class = IGPOConfig
+    # The batch entries the mean-field pass reads (the entropy pass runs it on chunks of them).
+    SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds")
 
     def __init__(self, model, reward_funcs, args: IGPOConfig | None = None, train_dataset=None, **kwargs):
         column = args.solution_column if args is not None else IGPOConfig.solution_column
@@ -225,9 +227,6 @@ class IGPOTrainer(DiffuGRPOTrainer, name="IGPO", tags=("igpo", "inpainting"), pa
             kept_hints = top_fraction(torch.cat(entropies).float(), candidates, self.args.hint_entropy_ratio)
             keep.append(~candidates | kept_hints)
         return torch.stack(keep, dim=1).to(inputs["completion_mask"].dtype)
-
-    # The batch entries the mean-field pass reads.
-    SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_canvas", "mask_seeds")
 
     def _compute_loss(self, model, inputs):
         if "hint_keep" in inputs:
