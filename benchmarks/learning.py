@@ -79,15 +79,16 @@ TRAINERS = {
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
     "ebpo": trainer_classes("ebpo"),
     **{name: trainer_classes(name) for name in ("mdpo", "diffusion_dpo")},
+    "igpo": trainer_classes("igpo"),
 }
 # Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
 LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
-LABELS.update({"mdpo": "MDPO", "dipo": "DiPO", "diffusion_dpo": "DPO (offline VRPO)"})
+LABELS.update({"mdpo": "MDPO", "dipo": "DiPO", "diffusion_dpo": "DPO (offline VRPO)", "igpo": "IGPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
 COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
-COLORS.update({"mdpo": "lightseagreen", "dipo": "teal", "diffusion_dpo": "indigo"})
+COLORS.update({"mdpo": "lightseagreen", "dipo": "teal", "diffusion_dpo": "indigo", "igpo": "sienna"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
@@ -133,6 +134,8 @@ BETA.update({"ebpo": 0.04, "mdpo": 0.04})
 # DiPO's recipe has no KL (beta 0); it keeps the others' anchor, towards the SFT model, like AGRPO. Its rollouts keep
 # its own sampler defaults (threshold 0.9, top-k 50) and dynamic sampling, whose extra rollouts are reported.
 BETA["dipo"] = 0.04
+# IGPO keeps the others' KL coefficient (its recipe's 0.01 is a default of its config, overridden here like the rest).
+BETA["igpo"] = 0.04
 # Offline trainers learn from preference pairs, built once per seed from the SFT model's own samples with the RL
 # budget's rollouts (rl_steps x 8 prompts x 8 samples), then trained for rl_steps optimizer steps (`dpo_job`). Their
 # `beta` is DPO's (the weight of the ELBO differences inside the sigmoid, TRL's default), not a KL coefficient.
@@ -140,7 +143,11 @@ OFFLINE_TRAINERS = {"diffusion_dpo"}
 BETA["diffusion_dpo"] = 0.1
 DPO_PAIRS_PER_STEP = 16
 # Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
-OVERRIDES = {"trace_rl": {"kl_target": "reference"}}
+# IGPO's reference solution is the task's answer (one token): its hint chunks are single tokens.
+OVERRIDES = {
+    "trace_rl": {"kl_target": "reference"},
+    "igpo": {"solution_column": "answer", "hint_chunk_min_tokens": 1, "hint_chunk_max_tokens": 1},
+}
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "diffu_grpo": ("p_mask_prompt",),
@@ -167,6 +174,7 @@ OBJECTIVE_FIELDS = {
         "threshold",
         "top_k",
     ),
+    "igpo": ("p_mask_prompt", "epsilon", "hint_ratio_min", "hint_ratio_max", "max_hinted_replacements"),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -179,6 +187,7 @@ OBJECTIVE_FIELDS = {
 }
 # Per-step metrics of a trainer averaged over its run and reported with it.
 RUN_METRICS = {
+    "igpo": ("igpo/failed_groups", "igpo/hinted_correct", "igpo/replaced"),
     "trace_rl": ("trajectory/kept_prompts", "trajectory/transitions_per_completion"),
     "cj_grpo": ("trajectory/transitions_per_completion",),
     "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),

@@ -1,4 +1,4 @@
-"""One BGPO (or wd1, JustGRPO, AGRPO) optimizer step on a tiny LLaDA, for the data-parallel checks of
+"""One BGPO (or wd1, JustGRPO, AGRPO, IGPO) optimizer step on a tiny LLaDA, for the data-parallel checks of
 `tests/test_bgpo.py` (and `tests/test_wd1.py`, `tests/test_just_grpo.py`, `tests/test_trajectory.py`, with
 `--trainer wd1` / `just_grpo` / `agrpo`).
 
@@ -34,10 +34,28 @@ TRAINERS = {
     "wd1": ("WD1Config", "WD1Trainer", ("wd1_weights",)),
     "just_grpo": ("JustGRPOConfig", "JustGRPOTrainer", ("completion_mask",)),
     "agrpo": ("AGRPOConfig", "AGRPOTrainer", ("commit_step", "commit_logprob")),
+    "igpo": ("IGPOConfig", "IGPOTrainer", ("commit_step",)),
 }
 # AGRPO's settings in the check: 3 entropy-weighted Monte Carlo transitions and CJ-GRPO's pooled reduction, whose
 # denominators count every process's tokens.
 AGRPO_SETTINGS = {"num_selected_transitions": 3, "transition_reduction": "pooled"}
+# IGPO's: a completion is correct with 16 distinct characters, which most groups of the random model miss; the hinted
+# completions hold the whole solution (16 distinct characters) but a last piece shorter than a chunk, which the model
+# fills: correct or not, and which rows get one depends on the row's hint key.
+IGPO_THRESHOLD = 16.0
+IGPO_SETTINGS = {
+    "success_threshold": IGPO_THRESHOLD,
+    "hint_ratio_min": 1.0,
+    "hint_ratio_max": 1.0,
+    "hint_chunk_min_tokens": 2,
+    "hint_chunk_max_tokens": 4,
+    "max_hinted_replacements": 2,
+    "beta": 0.0,
+    # Per-completion means, averaged over rows: a split batch averages to the whole one (bnpo divides by each
+    # micro-batch's own token count).
+    "loss_type": "grpo",
+}
+IGPO_SOLUTION = "abcdefghijklmnop"
 
 
 def reward(completions, **kwargs):
@@ -71,6 +89,8 @@ def train_one_step(
     own_settings = {"num_mc_samples": num_mc_samples} if trainer == "bgpo" else {}
     if trainer == "agrpo":
         own_settings = AGRPO_SETTINGS
+    if trainer == "igpo":
+        own_settings = IGPO_SETTINGS
     sampler = dict(block_length=8, diffusion_steps=8)
     if trainer == "just_grpo":  # left to right: its config fixes one position per block and per step
         sampler, own_settings = {}, {"just_grpo_positions_per_forward": 3}
@@ -78,6 +98,8 @@ def train_one_step(
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for prompt in PROMPTS]})
+    if trainer == "igpo":
+        dataset = dataset.add_column("solution", [IGPO_SOLUTION] * len(PROMPTS))
     args = config_class(
         output_dir=output_dir,
         per_device_train_batch_size=per_device_train_batch_size,

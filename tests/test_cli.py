@@ -613,6 +613,7 @@ EXAMPLES = {
     "cj_grpo_sudoku": "cj_grpo",
     "agrpo_sudoku": "agrpo",
     "mdpo_math": "mdpo",
+    "igpo_gsm8k": "igpo",
 }
 # The examples with preset switches (`--block_model`, `--egspo`, ...): flag -> the fields it sets.
 EXAMPLE_PRESETS = {
@@ -700,6 +701,19 @@ def test_mdpo_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--dataset_name", "countdown", *TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4"]
     argv += ["--gradient_accumulation_steps", "1", "--num_generations", "4", "--sample_train_steps", "2"]
     assert run_recipe("mdpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_igpo_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """IGPO's recipe without QLoRA on a tiny model, on Sudoku (procedural, with a `solution` column: the grid) instead
+    of GSM8K (a download); the random model fails every group, so the step inpaints."""
+    module = load_example("igpo_gsm8k")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += ["--dataset_name", "sudoku", *TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4"]
+    argv += ["--gradient_accumulation_steps", "1", "--num_generations", "4", "--num_iterations", "1"]
+    argv += ["--load_in_4bit", "false", "--use_peft", "false", "--max_prompt_length", "64"]
+    argv += ["--hint_chunk_min_tokens", "2", "--hint_chunk_max_tokens", "3"]
+    assert run_recipe("igpo", module.RECIPE, argv) == 0
     assert (tmp_path / "model.safetensors").is_file()
 
 

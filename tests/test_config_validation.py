@@ -81,7 +81,7 @@ def test_every_numeric_field_has_one_owner(config_class):
 
 
 def test_the_sweep_covers_every_config_class():
-    assert len(CONFIG_CLASSES) == 20 and trl_diffusion.DiffusionSFTConfig in CONFIG_CLASSES
+    assert len(CONFIG_CLASSES) == 21 and trl_diffusion.DiffusionSFTConfig in CONFIG_CLASSES
     assert trl_diffusion.DiffusionDPOConfig in CONFIG_CLASSES
 
 

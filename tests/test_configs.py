@@ -25,6 +25,7 @@ from trl_diffusion.trainer import (
     DiPOConfig,
     EBPOConfig,
     ESPOConfig,
+    IGPOConfig,
     JustGRPOConfig,
     LFPOConfig,
     MDPOConfig,
@@ -113,6 +114,29 @@ SPECS = {
             scale_rewards="none",
             p_mask_prompt=0.15,
             use_bias_correction_kl=False,
+        ),
+    ),
+    # IGPO: d1's loss with the public code's run script (clip 0.2, KL 0.01, no prompt masking, temperature 1.2) and
+    # its hints (eta ~ U[0.2, 0.6], chunks of 5-10 tokens, up to 4 replacements, top 20% entropy of hint tokens).
+    IGPOConfig: Spec(
+        parent=DiffuGRPOConfig,
+        changes=frozenset({"solution_column", "success_threshold", "hint_ratio_min", "hint_ratio_max"})
+        | {"hint_chunk_min_tokens", "hint_chunk_max_tokens", "max_hinted_replacements", "hint_entropy_ratio"}
+        | {"epsilon", "beta", "p_mask_prompt", "temperature"},
+        defaults=dict(
+            solution_column="solution",
+            success_threshold=1.0,
+            hint_ratio_min=0.2,
+            hint_ratio_max=0.6,
+            hint_chunk_min_tokens=5,
+            hint_chunk_max_tokens=10,
+            max_hinted_replacements=4,
+            hint_entropy_ratio=0.2,
+            epsilon=0.2,
+            beta=0.01,
+            p_mask_prompt=0.0,
+            temperature=1.2,
+            loss_type="bnpo",
         ),
     ),
     # DiffuCoder: TRL's token-level loss with bnpo, clip 0.5, KL 0.01, leave-one-out advantages without scaling.
@@ -448,6 +472,15 @@ CLI_VALUES = {
     "p_mask_prompt": 0.3,
     "max_consecutive_failed_reward_steps": 3,
     "max_dynamic_sampling_rounds": 3,
+    # IGPO
+    "solution_column": "reasoning",
+    "success_threshold": 0.5,
+    "hint_ratio_min": 0.1,
+    "hint_ratio_max": 0.9,
+    "hint_chunk_min_tokens": 3,
+    "hint_chunk_max_tokens": 7,
+    "max_hinted_replacements": 2,
+    "hint_entropy_ratio": 0.5,
     # MDPO
     "sample_train_steps": 4,
     "reward_step_stride": 2,

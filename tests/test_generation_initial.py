@@ -119,6 +119,29 @@ def test_a_canvas_without_masks_is_returned_as_given(sharp_llada, chat_prompts):
     assert torch.equal(output.completion_ids, canvas)
 
 
+def test_a_row_given_whole_is_finished_while_the_others_decode(sharp_llada, chat_prompts):
+    """A row without masks next to rows with some (IGPO's hint canvas of a short solution revealed whole): it is
+    finished before the first step, and the others decode with sampling noise as usual."""
+    model, adapter = sharp_llada
+    config = DiffusionGenerationConfig(
+        max_completion_length=LENGTH, block_length=BLOCK, diffusion_steps=8, temperature=1.0
+    )
+    rows = len(chat_prompts["input_ids"])
+    canvas = torch.randint(20, 90, (rows, LENGTH), generator=torch.Generator().manual_seed(3))
+    canvas[1:, 4:] = adapter.mask_token_id
+    output = generate(
+        model,
+        **chat_prompts,
+        generation_config=config,
+        adapter=adapter,
+        generator=generators(0, rows),
+        initial_completion=canvas,
+    )
+    assert torch.equal(output.completion_ids[0], canvas[0]) and output.steps_per_row[0] == 0
+    assert (output.commit_step[0] == -1).all() and (output.commit_step[1:, 4:] >= 0).all()
+    assert not (output.completion_ids == adapter.mask_token_id).any()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -6,7 +6,7 @@ from trl_diffusion.seeding import derive_seed
 # Streams derived from the same parent key (see the module docstring).
 STREAM_GROUPS = {
     "rollout": ("ROLLOUT_TRAIN", "ROLLOUT_EVAL", "DYNAMIC_SAMPLING_PROMPTS"),
-    "row": ("ROW_SAMPLING", "ROW_MASKS"),
+    "row": ("ROW_SAMPLING", "ROW_MASKS", "ROW_HINTS"),
     "mask seed": (
         "MASK_COMPLETION",
         "MASK_SAMPLE",

@@ -30,6 +30,8 @@ from trl_diffusion.trainer import (
     DiPOTrainer,
     ESPOConfig,
     ESPOTrainer,
+    IGPOConfig,
+    IGPOTrainer,
     JustGRPOConfig,
     JustGRPOTrainer,
     LFPOConfig,
@@ -75,6 +77,7 @@ TRAINERS = {
         "agrpo",
         "mdpo",
         "dipo",
+        "igpo",
     )
 }
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
@@ -92,6 +95,19 @@ TRAJECTORY_SETTINGS = {
 }
 
 
+# IGPO: a group fails unless a completion has 8 distinct characters (all distinct: a third of the tiny model's), and its
+# hinted completions are the whole 8-character solution (IGPO_SOLUTION), correct; test_igpo.py tests the inpainting.
+IGPO_SETTINGS = dict(
+    success_threshold=8.0,
+    hint_ratio_min=1.0,
+    hint_ratio_max=1.0,
+    hint_chunk_min_tokens=2,
+    hint_chunk_max_tokens=2,
+    max_hinted_replacements=2,
+)
+IGPO_SOLUTION = "abcdefgh"
+
+
 def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
     ELBO trainers; MDPO trains 2 steps per rollout, without its recipe's 16 accumulation steps."""
@@ -100,6 +116,8 @@ def make_args(name: str, output_dir, **overrides):
         settings.update(TRAJECTORY_SETTINGS[name])
     elif name == "mdpo":
         settings.update(sample_train_steps=2, gradient_accumulation_steps=1)
+    elif name == "igpo":
+        settings.update(IGPO_SETTINGS)
     elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         settings["num_mc_samples"] = 2
     if name == "just_grpo":
@@ -113,6 +131,9 @@ def make_trainer(name, model, args, *, prompts="standard", **kwargs):
     """Trainer `name` on the 8 "say i" prompts, as strings (`prompts="standard"`) or messages, unless
     `train_dataset` is given."""
     kwargs.setdefault("train_dataset", say_dataset(conversational=prompts != "standard"))
+    if name == "igpo" and "solution" not in kwargs["train_dataset"].column_names:
+        dataset = kwargs["train_dataset"]
+        kwargs["train_dataset"] = dataset.add_column("solution", [IGPO_SOLUTION] * len(dataset))
     return tiny_trainer(TRAINERS[name][1], model, args, **kwargs)
 
 
@@ -170,6 +191,7 @@ TRAINER_KEYS = {
     "just_grpo": {"entropy", "clip_ratio/region_mean", "log_likelihood/mean"},
     **{name: TRAJECTORY_KEYS for name in TRAJECTORY_SETTINGS},
     "mdpo": {"mdpo/clip_ratio/low_mean", "mdpo/clip_ratio/high_mean"},
+    "igpo": {"entropy", "clip_ratio/region_mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -299,6 +321,7 @@ class StepCounter(TrainerCallback):
         ("agrpo", False),
         ("mdpo", True),
         ("dipo", False),
+        ("igpo", False),
     ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
@@ -387,6 +410,7 @@ ROUND_CASES = {
     "agrpo": (AGRPOConfig, AGRPOTrainer, dict(num_iterations=2, num_selected_transitions=2)),
     "mdpo": (MDPOConfig, MDPOTrainer, dict(num_iterations=2, sample_train_steps=2, gradient_accumulation_steps=1)),
     "dipo": (DiPOConfig, DiPOTrainer, dict(num_iterations=2)),
+    "igpo": (IGPOConfig, IGPOTrainer, dict(num_iterations=2, **IGPO_SETTINGS)),
 }
 
 
@@ -400,7 +424,10 @@ def test_resume_inside_a_rollout_round_is_exact(name, tiny_llada_dir, tmp_path):
 
     def run(output_dir, checkpoint=None):
         args = tiny_grpo_config(config_class, output_dir, max_steps=4, save_strategy="steps", save_steps=1, **options)
-        trainer = tiny_trainer(trainer_class, tiny_llada_dir, args)
+        dataset = say_dataset()
+        if name == "igpo":
+            dataset = dataset.add_column("solution", [IGPO_SOLUTION] * len(dataset))
+        trainer = tiny_trainer(trainer_class, tiny_llada_dir, args, train_dataset=dataset)
         rollouts = capture_rollouts(trainer)
         trainer.train(resume_from_checkpoint=checkpoint)
         return trainer, rollouts
@@ -456,7 +483,12 @@ def test_reward_of_wrong_length_raises(tiny_llada_dir, tmp_path):
         trainer.train()
 
 
-@pytest.mark.parametrize("name", list(TRAINERS))
+# IGPO scores the rollouts once more before TRL does (to find the groups that all fail) and needs rows with a
+# solution: the tests that count reward calls or build prompt-only rows leave it out (test_igpo.py covers it).
+ONE_REWARD_CALL_TRAINERS = [name for name in TRAINERS if name != "igpo"]
+
+
+@pytest.mark.parametrize("name", ONE_REWARD_CALL_TRAINERS)
 def test_unscored_rows_get_zero_advantage(name, tiny_llada_dir, tmp_path):
     """NaN and None rewards leave their rows unscored: advantage exactly 0, the group baseline over the others."""
     unscored_masks = []
@@ -519,7 +551,7 @@ def test_infinite_reward_is_unscored_and_counted(tiny_llada_dir, tmp_path):
     assert math.isfinite(trainer._metrics["train"]["reward"][-1])
 
 
-@pytest.mark.parametrize("name", list(TRAINERS))
+@pytest.mark.parametrize("name", ONE_REWARD_CALL_TRAINERS)
 def test_an_infinite_reward_unscores_its_row_not_its_group_in_every_trainer(name, tiny_llada_dir, tmp_path):
     """One +inf in a group of rewards [inf, 1, 2, 3]: that row's advantage is 0 and the other three are centered on
     their own mean (2), in every trainer family; the row is counted."""
@@ -696,7 +728,7 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
     overrides = dict(early_stop=True, beta=0.04)
     if name in TRAJECTORY_SETTINGS:
         overrides.update(elbo_region="answer")  # one target: the terminator
-    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo", "mdpo"):
+    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo", "mdpo", "igpo"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

@@ -11,6 +11,8 @@ Keys of a rollout (`DiffusionRLTrainer`):
     row key     = derive_seed(rollout key, global row index across processes)
     sampling    = derive_seed(row key, ROW_SAMPLING)    the generator of the row's sampling-noise key
     mask seed   = derive_seed(row key, ROW_MASKS) >> 2  stored on the batch as `mask_seeds`
+    IGPO hints  = derive_seed(row key, ROW_HINTS)       the key of the row's hinted regeneration: its hint draws (a
+                  generator seeded by it) and, as a row key, its sampling noise
 
 Streams of one mask seed: `trl_diffusion.masking` keys them as derive_seed(mask seed, inner iteration, stream, ...),
 LFPO's states as derive_seed(mask seed, LFPO_STATES) (one draw per rollout):
@@ -48,6 +50,7 @@ ROLLOUT_EVAL = 1
 DYNAMIC_SAMPLING_PROMPTS = 2
 ROW_SAMPLING = 0
 ROW_MASKS = 1
+ROW_HINTS = 2
 MASK_COMPLETION = 0
 MASK_SAMPLE = 1
 MASK_PROMPT = 2

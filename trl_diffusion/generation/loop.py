@@ -69,9 +69,10 @@ def generate(
             all-reduce per step; a no-op with a single process.
         initial_completion (`torch.LongTensor` of shape `(batch, max_completion_length)`, *optional*):
             A partly filled canvas to start from: the sampler decodes only its mask tokens and never changes the other
-            tokens (no remasking strategy displaces them). Blocks without masks are skipped; a block with some masks
-            is decoded on a fresh schedule of `steps_per_block` steps over the masks it has. Used to inpaint given
-            tokens (IGPO's hints) and to branch from an intermediate canvas (tree rollouts). Default: all masks.
+            tokens (no remasking strategy displaces them). A row without masks is finished before the first step;
+            blocks without masks are skipped; a block with some masks is decoded on a fresh schedule of
+            `steps_per_block` steps over the masks it has. Used to inpaint given tokens (IGPO's hints) and to branch
+            from an intermediate canvas (tree rollouts). Default: all masks.
         initial_commit_step (`torch.LongTensor` of shape `(batch, max_completion_length)`, *optional*):
             With `initial_completion`, the step at which each given token was committed (e.g. its parent rollout's
             `commit_step`; -1 for every mask and for tokens given before decoding, the default). The step counter

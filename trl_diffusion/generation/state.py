@@ -81,6 +81,8 @@ class DecodingState:
         the last given commit step."""
         self.completion.copy_(completion)
         self.given = completion != self.mask_token_id
+        # A row given whole has nothing to decode: finished before the first step.
+        self.finished = self.given.all(dim=1)
         if commit_step is not None:
             self.commit_step.copy_(commit_step.masked_fill(~self.given, -1))
             self.step = max(int(self.commit_step.max()) + 1, 0)

@@ -84,6 +84,11 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "dipo_trainer.DiPOTrainer",
         "DiPO (DiRL): GRPO on every denoising step with one ratio per step, DAPO's dynamic sampling",
     ),
+    "igpo": (
+        "igpo_config.IGPOConfig",
+        "igpo_trainer.IGPOTrainer",
+        "IGPO: d1's GRPO, groups that all fail regenerated with reference-solution chunks inpainted as hints",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

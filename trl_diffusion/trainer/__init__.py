@@ -22,6 +22,8 @@ from .ebpo_config import EBPOConfig
 from .ebpo_trainer import EBPOTrainer
 from .espo_config import ESPOConfig
 from .espo_trainer import ESPOTrainer
+from .igpo_config import IGPOConfig
+from .igpo_trainer import IGPOTrainer
 from .just_grpo_config import JustGRPOConfig
 from .just_grpo_trainer import JustGRPOTrainer
 from .lfpo_config import LFPOConfig, lfpo_inference_config

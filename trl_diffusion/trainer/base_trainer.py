@@ -738,10 +738,16 @@ class DiffusionRLTrainer(
 
     # ------------------------------------------------------------------ rollouts
 
-    def generate_rollout(self, prompt_ids: list[list[int]]) -> tuple[DiffusionGenerationOutput, torch.LongTensor]:
+    def generate_rollout(
+        self,
+        prompt_ids: list[list[int]],
+        initial_completion: torch.LongTensor | None = None,
+        row_keys: list[int] | None = None,
+    ) -> tuple[DiffusionGenerationOutput, torch.LongTensor]:
         """Denoises one completion per prompt with the rollout policy; returns the sampler's output and the per-row
         mask seeds. Prompts are left-padded as TRL pads its batch (`prompt_ids` / `prompt_mask`), so the scored
-        canvas lines up with it."""
+        canvas lines up with it. `initial_completion` (a partly filled canvas, see [`generate`]) and `row_keys` (the
+        rows' random keys, default the rollout's: `_rollout_row_keys`) serve extra rollouts such as IGPO's."""
         device = self.accelerator.device
         prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
         input_ids = pad(
@@ -756,7 +762,8 @@ class DiffusionRLTrainer(
             padding_side="left",
             pad_to_multiple_of=self.pad_to_multiple_of,
         ).to(device)
-        row_keys = self._rollout_row_keys(len(prompt_ids))
+        if row_keys is None:
+            row_keys = self._rollout_row_keys(len(prompt_ids))
         generators = [torch.Generator(device=device).manual_seed(derive_seed(key, ROW_SAMPLING)) for key in row_keys]
         with self.rollout_policy() as policy, torch.no_grad():
             if isinstance(self.adapter, EncoderDecoderAdapter):
@@ -783,6 +790,7 @@ class DiffusionRLTrainer(
                 progress_bar=self.args.generation_progress_bar,
                 # Rows finish at data-dependent steps: every process must make the same forwards (FSDP, ZeRO-3).
                 synchronize=self.accelerator.num_processes > 1,
+                initial_completion=initial_completion,
             )
         mask_seeds = torch.tensor([derive_seed(key, ROW_MASKS) >> 2 for key in row_keys], dtype=torch.long)
         return rollout, mask_seeds.to(device)

@@ -67,6 +67,7 @@ OBJECTIVES = (
     "trl_diffusion.trainer.just_grpo_trainer:JustGRPOTrainer",
     "trl_diffusion.trainer.lfpo_trainer:LFPOTrainer",
     "trl_diffusion.trainer.mdpo_trainer:MDPOTrainer",
+    "trl_diffusion.trainer.igpo_trainer:IGPOTrainer",
 )
 METRICS = tuple(
     f"trl_diffusion.tasks.metrics:{name}"
@@ -124,13 +125,15 @@ CONTRACT: tuple[UpstreamName, ...] = (
     # ---- GRPOTrainer's rollout round, in TRL's call order (TRLContractMixin's docstring states it)
     UpstreamName(GRPO, "_tokenize_prompts", OVERRIDE, (MIXIN,), "prompts truncated from the left to `max_prompt_length`",
                  ("self", "prompts")),
-    UpstreamName(GRPO, "_generate_single_turn", OVERRIDE, (MIXIN,), "the diffusion sampler instead of `generate`",
+    UpstreamName(GRPO, "_generate_single_turn", OVERRIDE, (MIXIN, "trl_diffusion.trainer.igpo_trainer:IGPOTrainer"),
+                 "the diffusion sampler instead of `generate`; IGPO regenerates the groups that all fail with hints",
                  ("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
     UpstreamName(GRPO, "_calculate_rewards", OVERRIDE, (MIXIN,),
                  "infinite rewards unscored, failing reward functions counted, the rewards handed to `_score_rollouts`",
                  ("self", "inputs", "prompts", "completions", "completion_ids_list")),
     UpstreamName(GRPO, "_calculate_rewards", CALL, ("trl_diffusion.trainer.base_trainer",),
-                 "`extra_completion_rewards`: AGRPO's look-ahead completions and MDPO's per-step predictions scored "
+                 "`extra_completion_rewards`: AGRPO's look-ahead completions, MDPO's per-step predictions and IGPO's "
+                 "rollouts and hinted completions scored "
                  "with TRL's rewards, without the rollout bookkeeping",
                  ("self", "inputs", "prompts", "completions", "completion_ids_list")),
     UpstreamName(GRPO, "_generate_and_score_completions", OVERRIDE, (MIXIN,),
