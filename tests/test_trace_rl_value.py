@@ -257,8 +257,14 @@ def test_lora_policy_gets_a_lora_value_model(tiny_llada_dir, tmp_path):
     after = dict(trainer.value_model.named_parameters())
     assert all(not torch.equal(initial[name], after[name]) for name in trainable)
     assert all(torch.equal(initial[name], after[name]) for name in set(initial) - trainable)
-    # The policy's adapter is not the value model's: training one leaves the other's own.
-    assert any(not torch.equal(p, policy_lora[name]) for name, p in trainer.model.named_parameters() if p.requires_grad)
+    # The value model's adapter is its own copy: after training it differs from the policy's.
+    policy = {name.removeprefix("base_model.model."): p for name, p in trainer.model.named_parameters()}
+    lora = [name for name in trainable if "lora_" in name]
+    assert lora and all(policy[name].data_ptr() != after[name].data_ptr() for name in lora)
+    assert any(not torch.equal(policy[name], after[name]) for name in lora)
+    assert any(
+        not torch.equal(p, policy_lora[name]) for name, p in trainer.model.named_parameters() if p.requires_grad
+    )
     trainer.save_model()  # the final save writes the value model next to the policy's adapter
     saved = build_value_model(trainer.model)
     load_value_model(saved, str(tmp_path / "value_model"))
