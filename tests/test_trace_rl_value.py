@@ -14,11 +14,20 @@ import math
 import pytest
 import torch
 
+from trl_diffusion.models.tiny import build_tiny_sdar
 from trl_diffusion.models.value import VALUE_WEIGHTS_NAME, ValueHead, build_value_model, load_value_model
 from trl_diffusion.trainer import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.trajectory import step_advantages
 
-from helpers import direct_logps, gradients, perturb, rollout_batch, tiny_grpo_config, tiny_trainer
+from helpers import (
+    direct_logps,
+    gradients,
+    perturb,
+    rollout_batch,
+    save_checkpoint,
+    tiny_grpo_config,
+    tiny_trainer,
+)
 
 # ---------------------------------------------------------------------------------------------- the GAE
 
@@ -316,3 +325,40 @@ def test_a_model_without_a_linear_head_is_refused():
 def test_invalid_value_settings_are_refused(overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         tiny_grpo_config(TraceRLConfig, tmp_path, **overrides)
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_values_are_read_on_the_policys_states(family, tiny_llada_dir, tiny_tokenizer, tmp_path):
+    """A value head equal to the policy's output row of token v reads the policy's logit of v: on every unit (one
+    state per transition; a composite `[noisy | clean]` round for the block-causal SDAR) the values are the logits the
+    policy's own forward gives at the targets."""
+    model_dir = tiny_llada_dir
+    if family == "sdar":
+        model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "sdar")
+    trainer = value_trainer(model_dir, tmp_path / "run", transition_grouping=1)
+    token = 5
+    with torch.no_grad():
+        policy_head = trainer.model.get_output_embeddings().weight
+        trainer.value_model.get_output_embeddings().weight.copy_(policy_head[token : token + 1])
+    inputs = rollout_batch(trainer)
+    plan = trainer.stored_plan(inputs)
+    units = trainer.scoring_units(inputs, plan, plan.state_step >= 0)
+    assert family == "llada" or len(units) < int(plan.num_transitions.sum())  # SDAR: rounds of several blocks
+    expected = torch.zeros_like(inputs["old_values"])
+    adapter = trainer.adapter
+    with torch.no_grad():
+        for unit in range(len(units)):
+            row = int(units.rows[unit])
+            noisy = inputs["completion_canvas"][row].masked_fill(units.masked[unit], adapter.mask_token_id)
+            prompt_ids, prompt_mask = inputs["prompt_ids"][row : row + 1], inputs["prompt_mask"][row : row + 1]
+            if adapter.block_causal:
+                logits = adapter.composite_logits(
+                    trainer.model, prompt_ids, prompt_mask, noisy[None], inputs["completion_canvas"][row : row + 1]
+                )
+            else:
+                input_ids = torch.cat([prompt_ids, noisy[None]], dim=1)
+                attention_mask = torch.cat([prompt_mask, torch.ones_like(noisy[None])], dim=1)
+                logits = adapter.logits(trainer.model, input_ids, attention_mask, num_logits=noisy.shape[0])
+            expected[row] += torch.where(units.targets[unit], logits[0, :, token].float(), 0.0)
+    assert (plan.transition_index >= 0).sum() > 8
+    torch.testing.assert_close(inputs["old_values"], expected, rtol=1e-5, atol=1e-5)
