@@ -20,10 +20,14 @@ from trl_diffusion.trainer import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.trajectory import step_advantages
 
 from helpers import (
+    assert_same_update,
     direct_logps,
+    eos_leaning_checkpoint,
     gradients,
+    load_ddp_worker,
     perturb,
     rollout_batch,
+    run_ddp_worker,
     save_checkpoint,
     tiny_grpo_config,
     tiny_trainer,
@@ -362,3 +366,24 @@ def test_values_are_read_on_the_policys_states(family, tiny_llada_dir, tiny_toke
             expected[row] += torch.where(units.targets[unit], logits[0, :, token].float(), 0.0)
     assert (plan.transition_index >= 0).sum() > 8
     torch.testing.assert_close(inputs["old_values"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_value_model_like_one_process(tiny_llada, tiny_tokenizer, tmp_path):
+    """torchrun, 2 processes (gloo, CPU) with 4 rows each == 1 process with 8 rows: the same stored values and returns,
+    and the same value model after one step (its gradients averaged over the processes by hand, the value model being
+    a replica per process), with answers of different lengths on the two processes."""
+    model_dir = eos_leaning_checkpoint(tiny_llada, tiny_tokenizer, tmp_path / "model", eos_weight=0.3)
+    one = load_ddp_worker().train_one_step(model_dir, str(tmp_path / "one"), 8, trainer="trace_rl_value")
+    arguments = ["--model-dir", model_dir, "--trainer", "trace_rl_value", "--per-device-train-batch-size", "4"]
+    ranks = run_ddp_worker(tmp_path / "ddp", 2, *arguments)
+    reference = one["rollouts"][0]
+    for key in ("completion_canvas", "commit_step", "advantages", "value_returns"):
+        torch.testing.assert_close(torch.cat([run["rollouts"][0][key] for run in ranks]), reference[key], msg=key)
+    assert_same_update(ranks, one, "two processes vs one")
+    changed = 0
+    for name, expected in one["value_after"].items():
+        for run in ranks:
+            torch.testing.assert_close(run["value_after"][name], expected, rtol=1e-4, atol=1e-6, msg=name)
+        changed += int(expected.abs().max() > 0)
+    assert changed  # the head moved away from zero
