@@ -43,6 +43,7 @@ from .tiny import (
     build_tiny_sdar_moe,
     build_tiny_tokenizer,
 )
+from .value import ValueHead, build_value_model, load_value_model, save_value_model
 
 # The published auto_maps send both AutoModel and AutoModelForCausalLM to the model with the head.
 AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
@@ -61,6 +62,10 @@ for config_class, model_class in (
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 __all__ = [
+    "ValueHead",
+    "build_value_model",
+    "load_value_model",
+    "save_value_model",
     "DREAM_LORA_TARGET_MODULES",
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",
