@@ -19,12 +19,21 @@ steps with threshold 0.9 at temperature 1.0, 64 prompts x 16 completions (8 per 
 GPUs), a 2000-token canvas (TraceRL's maximum length), every step its own transition (`transition_grouping=1`) and each
 transition's token sum divided by the response length (`transition_reduction="response"`).
 
+`--with_value` adds TraceRL's diffusion value model (`configs/rl_sdar_with_value.yaml`, `train/train_sdar_value.py`):
+a copy of the policy's backbone with a zero-initialized scalar head predicts a value per token on the trace states,
+and the per-step GAE (gamma = lambda = 1, so `A_n = A - V_n`) replaces the broadcast advantage; the value model is
+trained every step with its own AdamW at 5e-6 and the clipped value loss (epsilon 0.2). It keeps a full replica on
+every process (ZeRO-3 and FSDP are refused): launch it with plain data parallelism, and with `--use_peft` at 8B (the
+policy and the value model then each train their own LoRA adapter on a bf16 base).
+
 Launch (8 GPUs, ZeRO-3 shards the full-parameter optimizer state):
 
     TRL_CONFIGS=$(python -c "import pathlib, trl; print(pathlib.Path(trl.__file__).parent / 'accelerate_configs')")
     accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/trace_rl_gsm8k.py
     accelerate launch --config_file $TRL_CONFIGS/zero3.yaml examples/trace_rl_gsm8k.py \
         --block_model
+    accelerate launch --multi_gpu --num_processes 8 examples/trace_rl_gsm8k.py --block_model --with_value \
+        --use_peft
 
 Every field of `trl-diffusion trace_rl --help` is a flag here too: `--transition_grouping 1` scores every step,
 `--pass_rate_range 0 1` keeps every prompt, `--score_at_sampling_temperature false` scores the untempered softmax as
@@ -87,11 +96,25 @@ BLOCK_MODEL = {
 }
 
 
+# `--with_value`: TraceRL's value model (`configs/rl_sdar_with_value.yaml`), on top of either recipe.
+VALUE_MODEL = {
+    "value_model": True,
+    "value_learning_rate": 5e-6,
+    "value_gamma": 1.0,
+    "value_lambda": 1.0,
+    "value_clip_range": 0.2,
+}
+SWITCHES = {"--block_model": BLOCK_MODEL, "--with_value": VALUE_MODEL}
+
+
 def recipe_and_arguments(argv: list[str]) -> tuple[dict, list[str]]:
-    """The recipe the command line asks for (`--block_model` or not) and the remaining arguments."""
-    if "--block_model" in argv:
-        return {**RECIPE, **BLOCK_MODEL}, [arg for arg in argv if arg != "--block_model"]
-    return RECIPE, list(argv)
+    """The recipe the command line asks for (`--block_model`, `--with_value`, or neither) and the remaining
+    arguments."""
+    recipe = dict(RECIPE)
+    for switch, settings in SWITCHES.items():
+        if switch in argv:
+            recipe.update(settings)
+    return recipe, [arg for arg in argv if arg not in SWITCHES]
 
 
 if __name__ == "__main__":

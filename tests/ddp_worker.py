@@ -1,6 +1,6 @@
-"""One BGPO (or wd1, JustGRPO, AGRPO, IGPO) optimizer step on a tiny LLaDA, for the data-parallel checks of
+"""One BGPO (or wd1, JustGRPO, AGRPO, IGPO, TraceRL with its value model) optimizer step on a tiny LLaDA, for the
 `tests/test_bgpo.py` (and `tests/test_wd1.py`, `tests/test_just_grpo.py`, `tests/test_trajectory.py`, with
-`--trainer wd1` / `just_grpo` / `agrpo`).
+`--trainer wd1` / `just_grpo` / `agrpo`; `tests/test_trace_rl_value.py`, `--trainer trace_rl_value`).
 
 Run under torchrun, each rank saves `rank{r}.pt` (its parameters before and after the step, its rollouts and the log
 history) in `--output-dir`:
@@ -35,6 +35,7 @@ TRAINERS = {
     "just_grpo": ("JustGRPOConfig", "JustGRPOTrainer", ("completion_mask",)),
     "agrpo": ("AGRPOConfig", "AGRPOTrainer", ("commit_step", "commit_logprob")),
     "igpo": ("IGPOConfig", "IGPOTrainer", ("commit_step",)),
+    "trace_rl_value": ("TraceRLConfig", "TraceRLTrainer", ("commit_step", "old_values", "value_returns")),
 }
 # AGRPO's settings in the check: 3 entropy-weighted Monte Carlo transitions and CJ-GRPO's pooled reduction, whose
 # denominators count every process's tokens.
@@ -56,6 +57,16 @@ IGPO_SETTINGS = {
     "loss_type": "grpo",
 }
 IGPO_SOLUTION = "abcdefghijklmnop"
+# TraceRL with its value model, every prompt kept. The value model's AdamW with a large epsilon makes its first step
+# `-lr * m / (sqrt(v) + eps)` about `-lr * gradient / eps`, linear in the gradient as SGD's (the value model has its
+# own optimizer, not `optim`).
+VALUE_SETTINGS = {
+    "value_model": True,
+    "pass_rate_range": None,
+    "transition_grouping": 1,
+    "value_learning_rate": 100.0,
+    "adam_epsilon": 1e3,
+}
 
 
 def reward(completions, **kwargs):
@@ -91,6 +102,8 @@ def train_one_step(
         own_settings = AGRPO_SETTINGS
     if trainer == "igpo":
         own_settings = IGPO_SETTINGS
+    if trainer == "trace_rl_value":
+        own_settings = VALUE_SETTINGS
     sampler = dict(block_length=8, diffusion_steps=8)
     if trainer == "just_grpo":  # left to right: its config fixes one position per block and per step
         sampler, own_settings = {}, {"just_grpo_positions_per_forward": 3}
@@ -138,7 +151,11 @@ def train_one_step(
     before = {name: parameter.detach().cpu().clone() for name, parameter in trained.model.named_parameters()}
     trained.train()
     model = trained.accelerator.unwrap_model(trained.model)
+    value_model = getattr(trained, "value_model", None)
     return {
+        "value_after": None
+        if value_model is None
+        else {name: parameter.detach().cpu().clone() for name, parameter in value_model.named_parameters()},
         "rank": trained.accelerator.process_index,
         "world_size": trained.accelerator.num_processes,
         "distributed_type": str(trained.accelerator.distributed_type),

@@ -137,7 +137,12 @@ def test_learning_set_changes_one_field_of_one_trainer():
         ["trace_rl", "bgpo"], ["trace_rl.transition_grouping=1", "trace_rl.pass_rate_range=None", "bgpo.x=abc"]
     )
     assert overrides == {
-        "trace_rl": {"kl_target": "reference", "transition_grouping": 1, "pass_rate_range": None},
+        "trace_rl": {
+            "kl_target": "reference",
+            "max_consecutive_filtered_batches": None,
+            "transition_grouping": 1,
+            "pass_rate_range": None,
+        },
         "bgpo": {"x": "abc"},
     }
     for wrong in ("trace_rl.transition_grouping", "spg.eubo_beta=1.0", "transition_grouping=1"):
@@ -313,7 +318,7 @@ def test_learning_smoke(tmp_path):
         "cj_grpo": 0.04,
         "agrpo": 0.04,
     }
-    assert settings["overrides"] == {"trace_rl": {"kl_target": "reference"}}
+    assert settings["overrides"] == {"trace_rl": {"kl_target": "reference", "max_consecutive_filtered_batches": None}}
     assert settings["rl"]["per_device_train_batch_size"] == 64 and settings["rl"]["num_generations"] == 8
     assert {"accuracy_mean", "accuracy_std", "runs"} <= payload["sft"].keys()
     assert [run["seed"] for run in payload["sft"]["runs"]] == [0]

@@ -617,7 +617,10 @@ EXAMPLES = {
 }
 # The examples with preset switches (`--block_model`, `--egspo`, ...): flag -> the fields it sets.
 EXAMPLE_PRESETS = {
-    "trace_rl_gsm8k": {"--block_model": {"transition_grouping": 1, "transition_reduction": "response"}},
+    "trace_rl_gsm8k": {
+        "--block_model": {"transition_grouping": 1, "transition_reduction": "response"},
+        "--with_value": {"value_model": True, "value_learning_rate": 5e-6},
+    },
     "agrpo_sudoku": {
         "--egspo": {
             "transition_selection": "top_entropy",
@@ -764,6 +767,23 @@ def test_trace_rl_block_model_example_runs_one_step(tiny_tokenizer, tmp_path):
     argv += ["--pass_rate_range", "0", "1"]
     assert run_recipe("trace_rl", recipe, argv) == 0
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_trace_rl_value_model_example_runs_one_step(tiny_tokenizer, tmp_path):
+    """TraceRL's block-model recipe with its value model (`--block_model --with_value`) on a tiny SDAR, LoRA: the
+    value model is saved next to the policy's adapter."""
+    from trl_diffusion.models import build_tiny_sdar
+
+    model_dir = save_checkpoint(build_tiny_sdar(tiny_tokenizer), tiny_tokenizer, tmp_path / "tiny-sdar")
+    module = load_example("trace_rl_gsm8k")
+    recipe, _ = module.recipe_and_arguments(["--block_model", "--with_value"])
+    argv = ["--model_name_or_path", model_dir, "--dtype", "float32", "--output_dir", str(tmp_path / "run")]
+    argv += ["--dataset_name", "countdown", *TINY_TRAINING, "--block_length", "4", "--diffusion_steps", "16"]
+    argv += ["--max_steps", "1", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
+    argv += ["--pass_rate_range", "0", "1", "--use_peft", "--lora_r", "4", "--lora_alpha", "8"]
+    assert run_recipe("trace_rl", recipe, argv) == 0
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run" / "value_model" / "value_model.safetensors").is_file()
 
 
 def test_cj_grpo_example_runs_one_step(tiny_llada_dir, tmp_path):

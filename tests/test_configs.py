@@ -316,8 +316,10 @@ SPECS = {
     # prompts with pass rates outside [0.2, 0.8] left out, temperature 0.8, lr 1e-6.
     TraceRLConfig: Spec(
         parent=TrajectoryRLConfig,
+        # Its optional value model: off, gamma = lambda = 1, lr 5e-6, value clip 0.2.
         changes=frozenset({"transition_grouping", "kl_target", "beta", "transition_reduction", "pass_rate_range"})
-        | {"temperature"},
+        | {"temperature", "value_model", "value_model_init", "value_gamma", "value_lambda", "value_learning_rate"}
+        | {"value_clip_range"},
         defaults=dict(
             transition_grouping=8,
             kl_target="old",
@@ -327,8 +329,23 @@ SPECS = {
             temperature=0.8,
             learning_rate=1e-6,
             epsilon=0.2,
+            value_model=False,
+            value_model_init=None,
+            value_gamma=1.0,
+            value_lambda=1.0,
+            value_learning_rate=5e-6,
+            value_clip_range=0.2,
         ),
-        values={"kl_estimator": "k2", "elbo_region": "canvas", "temperature": 1.0, "pass_rate_range": (0.1, 0.9)},
+        values={
+            "kl_estimator": "k2",
+            "elbo_region": "canvas",
+            "temperature": 1.0,
+            "pass_rate_range": (0.1, 0.9),
+            "value_gamma": 0.9,
+            "value_lambda": 0.95,
+            "value_learning_rate": 1e-5,
+            "value_clip_range": 0.1,
+        },
     ),
     # DiPO (DiRL): a ratio per step, the mean over steps, clip [0.8, 1.28], no KL, dynamic sampling, DiRL's sampler.
     DiPOConfig: Spec(
@@ -531,6 +548,8 @@ SEPARATE_CLI_VALUES = {
     # The sampler's log-probs are refused for merged transitions.
     "old_logprobs": ("sampler", {"transition_grouping": 1, "top_k": 0}),
     "transition_grouping": (2, {"old_logprobs": "recompute"}),
+    # A saved value model to start from needs the value model on.
+    "value_model_init": ("run/checkpoint-100/value_model", {"value_model": True}),
 }
 # The public code's objectives refuse most other fields' non-default values: parsed with the defaults instead.
 PARSED_WITH_DEFAULTS = {"estimator"}

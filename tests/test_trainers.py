@@ -92,7 +92,10 @@ TRAJECTORY_SETTINGS = {
     "cj_grpo": {},
     "agrpo": dict(num_selected_transitions=2),
     "dipo": {},
+    "trace_rl_value": dict(kl_target="reference", pass_rate_range=None, value_model=True, value_learning_rate=1e-3),
 }
+# TraceRL with its diffusion value model: the "trace_rl" trainer with `value_model=True` (TRAJECTORY_SETTINGS).
+TRAINERS["trace_rl_value"] = TRAINERS["trace_rl"]
 
 
 # IGPO: a group fails unless a completion has 8 distinct characters (all distinct: a third of the tiny model's), and its
@@ -190,6 +193,7 @@ TRAINER_KEYS = {
     "spg": {"elbo/mean", "elbo/mean_per_token", "eubo/mean_per_token", "sandwich/gap"},
     "just_grpo": {"entropy", "clip_ratio/region_mean", "log_likelihood/mean"},
     **{name: TRAJECTORY_KEYS for name in TRAJECTORY_SETTINGS},
+    "trace_rl_value": TRAJECTORY_KEYS | {"value/loss", "value/clip_ratio"},  # value/mean: at rollout steps
     "mdpo": {"mdpo/clip_ratio/low_mean", "mdpo/clip_ratio/high_mean"},
     "igpo": {"entropy", "clip_ratio/region_mean"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
@@ -245,6 +249,9 @@ def test_train_end_to_end(name, case, tiny_llada_dir, tmp_path):
     if trainer.ref_model is not None:
         for n, p in trainer.ref_model.named_parameters():
             assert torch.equal(p, initial[n]), f"reference parameter {n} changed"
+    value_model = getattr(trainer, "value_model", None)
+    if value_model is not None:  # TraceRL's value model trained too (its zero-initialized head first)
+        assert value_model.get_output_embeddings().weight.abs().max() > 0
 
     logs = train_logs(trainer)
     assert len(logs) == args.max_steps
@@ -317,6 +324,7 @@ class StepCounter(TrainerCallback):
         ("just_grpo", False),
         ("spg", True),
         ("trace_rl", False),
+        ("trace_rl_value", True),
         ("cj_grpo", True),
         ("agrpo", False),
         ("mdpo", True),

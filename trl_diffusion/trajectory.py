@@ -421,3 +421,102 @@ def state_logprobs(
         temperature=temperature,
         excluded_token=adapter.mask_token_id,
     )
+
+
+def state_values(
+    value_model: torch.nn.Module,
+    adapter: DiffusionAdapter,
+    prompt_ids: torch.LongTensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.LongTensor,
+    state_masks: torch.BoolTensor,
+    targets: torch.BoolTensor,
+) -> torch.Tensor:
+    """A value model's ([`~models.build_value_model`]) value at the `targets` of each state: one forward pass over the
+    canvases with `state_masks` masked, as [`state_logprobs`] scores them (the composite forward for a block-causal
+    model), the value head run at the targets only.
+
+    Returns:
+        `torch.FloatTensor` of shape `(states, L)`: values at the targets, 0 elsewhere.
+    """
+    if (targets & ~state_masks).any():
+        raise ValueError("Every target of a state must be masked in it.")
+    noisy = completion_ids.masked_fill(state_masks, adapter.mask_token_id)
+    if adapter.block_causal:
+        outputs = adapter.composite_logits(
+            value_model, prompt_ids, prompt_mask, noisy, completion_ids, head_rows=targets
+        )
+    else:
+        input_ids = torch.cat([prompt_ids, noisy], dim=1)
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(targets, dtype=prompt_mask.dtype)], dim=1)
+        outputs = adapter.logits(
+            value_model, input_ids, attention_mask, num_logits=targets.shape[1], head_rows=targets
+        )
+    if outputs.shape[-1] != 1:
+        raise ValueError(
+            f"The value model returned outputs of width {outputs.shape[-1]}, not 1: its forward does not go through "
+            "the value head (a model whose logits come from its tied input embeddings cannot take one)."
+        )
+    placeholder = torch.zeros(targets.shape, dtype=torch.float32, device=outputs.device)
+    return placeholder.masked_scatter(targets, outputs.squeeze(-1).float())
+
+
+def step_advantages(
+    transition_index: torch.LongTensor,
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TraceRL's step-level GAE (`train/train_sdar_value.py`) over each completion's transitions k = 0 .. S - 1, in
+    trajectory order, from per-token values V_n. The reward is the completion's, given to the tokens of its last
+    transition (r_n = reward there, 0 elsewhere). With the step value `V*_k` = the mean of V_n over the transition's
+    targets D_k, the step reward `r*_k` = the mean of r_n over D_k, and `V*_S = A*_S = R*_S = 0`:
+
+    `delta_k = r*_k - V*_k + gamma V*_{k+1}`, `A*_k = delta_k + gamma lam A*_{k+1}`, `R*_k = r*_k + gamma R*_{k+1}`;
+    per target n of transition k: `A_n = (r_n - V_n) + gamma V*_{k+1} + gamma lam A*_{k+1}`,
+    `R_n = r_n + gamma R*_{k+1}` (the value loss's return). With gamma = lam = 1, `A_n = reward - V_n` and
+    `R_n = reward`.
+
+    Args:
+        transition_index (`torch.LongTensor` of shape `(batch, L)`):
+            The transition of each target position, -1 elsewhere ([`TrajectoryPlan.transition_index`]).
+        values (`torch.Tensor` of shape `(batch, L)`):
+            V_n at the targets.
+        rewards (`torch.Tensor` of shape `(batch,)`):
+            Each completion's reward.
+        gamma, lam (`float`):
+            The discount and the GAE parameter.
+
+    Returns:
+        `(advantages, returns)`, each `torch.FloatTensor` of shape `(batch, L)`, 0 off the targets.
+    """
+    targets = transition_index >= 0
+    index = transition_index.clamp(min=0)
+    batch_size = transition_index.shape[0]
+    width = int(transition_index.max()) + 1 if targets.any() else 1
+    values = values.float() * targets
+    counts = torch.zeros(batch_size, width, device=values.device).scatter_add_(1, index, targets.float())
+    num_steps = (counts > 0).sum(dim=1)
+    last = (num_steps - 1).clamp(min=0)
+    token_rewards = torch.where(targets & (transition_index == last[:, None]), rewards.float()[:, None], 0.0)
+    step_values = torch.zeros_like(counts).scatter_add_(1, index, values) / counts.clamp(min=1)
+    step_rewards = torch.zeros_like(counts).scatter_add_(1, index, token_rewards) / counts.clamp(min=1)
+    # Column k + 1 holds step k + 1's quantities, the last column zeros (past every row's last step).
+    next_values = torch.zeros(batch_size, width + 1, device=values.device)
+    next_advantages = torch.zeros_like(next_values)
+    next_returns = torch.zeros_like(next_values)
+    next_values[:, :width] = step_values
+    for step in range(width - 1, -1, -1):
+        delta = step_rewards[:, step] - step_values[:, step] + gamma * next_values[:, step + 1]
+        next_advantages[:, step] = delta + gamma * lam * next_advantages[:, step + 1]
+        next_returns[:, step] = step_rewards[:, step] + gamma * next_returns[:, step + 1]
+    following = index + 1
+    advantages = (
+        token_rewards
+        - values
+        + gamma * next_values.gather(1, following)
+        + gamma * lam * next_advantages.gather(1, following)
+    )
+    returns = token_rewards + gamma * next_returns.gather(1, following)
+    return advantages * targets, returns * targets

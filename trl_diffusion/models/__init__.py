@@ -56,6 +56,7 @@ from .tiny import (
     build_tiny_sdar_moe,
     build_tiny_tokenizer,
 )
+from .value import ValueHead, build_value_model, load_value_model, save_value_model
 
 # The published auto_maps send both AutoModel and AutoModelForCausalLM to the model with the head.
 AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
@@ -82,6 +83,10 @@ __all__ = [
     "build_tiny_diffusion_gemma",
     "diffusion_gemma_sft_loss",
     "generate_diffusion_gemma",
+    "ValueHead",
+    "build_value_model",
+    "load_value_model",
+    "save_value_model",
     "DREAM_LORA_TARGET_MODULES",
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",
