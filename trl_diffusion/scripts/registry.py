@@ -79,6 +79,12 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "mdpo_trainer.MDPOTrainer",
         "MDPO: every step's prediction rewarded, PPO on the one-step denoiser along the schedule, RCR rollouts",
     ),
+    "tree_rpo": (
+        "tree_rpo_config.TreeRPOConfig",
+        "tree_rpo_trainer.TreeRPOTrainer",
+        "d-TreeRPO: tree rollouts branching at block boundaries, one-forward parent-to-child transitions, "
+        "sibling-baseline advantages",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",
