@@ -77,18 +77,23 @@ TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
     "ebpo": trainer_classes("ebpo"),
+    "tree_rpo": trainer_classes("tree_rpo"),
 }
 # Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
-LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
+LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO", "tree_rpo": "d-TreeRPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
-COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
+COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred", "tree_rpo": "seagreen"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
 # at most bit_length(block) (3); the benchmark's one step per token (4) is refused, so its config's default stays.
 OWN_STEPS = {"cj_grpo"}
+# d-TreeRPO branches at a block boundary: its tree (4 children of the root, 2 of each, the 8 completions of a prompt)
+# branches at step L/2, so the canvas is decoded in blocks of L/2 tokens (the others decode the task's canvas in the
+# benchmark's blocks).
+TREE_BLOCKS = {"tree_rpo"}
 
 # The training rollouts' speed-ups (`--rollouts fast`); the cache is chosen by the canvas.
 FAST_ROLLOUTS = {"early_stop": True, "threshold": 0.9}
@@ -125,8 +130,10 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
 # EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient.
 BETA["ebpo"] = 0.04
+# d-TreeRPO's k3 towards the reference, with the others' coefficient.
+BETA["tree_rpo"] = 0.04
 # Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
-OVERRIDES = {"trace_rl": {"kl_target": "reference"}}
+OVERRIDES = {"trace_rl": {"kl_target": "reference"}, "tree_rpo": {"num_tree_samples": 4, "tree_branch_factor": 2}}
 # The objective settings reported with each trainer (its own defaults).
 OBJECTIVE_FIELDS = {
     "diffu_grpo": ("p_mask_prompt",),
@@ -141,6 +148,7 @@ OBJECTIVE_FIELDS = {
     "trace_rl": ("transition_grouping", "transition_reduction", "pass_rate_range", "kl_target", "epsilon"),
     "cj_grpo": ("schedule", "eos_rejection_min", "transition_reduction", "kl_target", "epsilon", "scale_rewards"),
     "ebpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
+    "tree_rpo": ("num_tree_samples", "tree_branch_factor", "block_length", "epsilon", "self_distillation"),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -156,6 +164,7 @@ RUN_METRICS = {
     "trace_rl": ("trajectory/kept_prompts", "trajectory/transitions_per_completion"),
     "cj_grpo": ("trajectory/transitions_per_completion",),
     "agrpo": ("trajectory/transitions_per_completion", "trajectory/scored_transitions_per_completion"),
+    "tree_rpo": ("tree/advantage_abs_mean",),
 }
 
 # The public code's objective of SPG, JustGRPO and AGRPO (`estimator="public"`), each a row of its own next to the
@@ -254,6 +263,8 @@ def rl_job(job: dict) -> dict:
     config_class, trainer_class = TRAINERS[name]
     max_completion_length, block_length = job["canvas"]
     sampler = rollout_sampler(job["rollouts"], max_completion_length, block_length)
+    if name in TREE_BLOCKS:
+        block_length = max_completion_length // 2
     if name not in LEFT_TO_RIGHT:
         sampler.update(block_length=block_length)
         if name not in OWN_STEPS:
