@@ -17,10 +17,11 @@ import torch
 from trl_diffusion import TreeRPOConfig, TreeRPOTrainer
 from trl_diffusion.generation import generate
 from trl_diffusion.seeding import ROW_SAMPLING, derive_seed
-from trl_diffusion.trainer.tree_rpo_trainer import leaf_paths, owned_edges, tree_advantages
+from trl_diffusion.trainer.tree_rpo_trainer import leaf_paths, owned_edges, self_distillation_targets, tree_advantages
 
 from helpers import (
     assert_same_gradients,
+    eos_leaning_checkpoint,
     gradients,
     perturb,
     rollout_batch,
@@ -29,9 +30,6 @@ from helpers import (
     tiny_grpo_config,
     tiny_trainer,
 )
-
-TREE = dict(num_tree_samples=2, tree_branch_factor=2, tree_contraction_factor=2, num_generations=4)
-
 
 # ---------------------------------------------------------------------------------------------- advantages
 
@@ -170,31 +168,38 @@ def parent_log_probs(model, adapter, prompt_ids, prompt_mask, state):
 
 
 def tree_rpo_objective(trainer, batch, old_model, reference, distillation_lambda, tau):
-    """d-TreeRPO's loss (THU-BPM/d-TreeRPO, `dtreerpo_trainer.py`) for 2 x 2 trees, from its formula: node values by
-    explicit means, local advantages against the sibling, one forward per edge on the parent canvas, token PPO
-    clipped at epsilon, k3 KL, each edge's token mean, the mean over edges, plus lambda times the mean over (parent,
-    position) pairs of KL(q_j || pi(. | parent)), q_j counting the softmax(A / tau)-weighted tokens of the positive
-    children that changed position j. Returns the loss and the advantages per (row, level)."""
+    """d-TreeRPO's loss (THU-BPM/d-TreeRPO, `dtreerpo_trainer.py`) for two-level trees, from its formula: node values
+    by explicit means, local advantages against the siblings' mean, one forward per edge on the parent canvas, token
+    PPO clipped at epsilon, k3 KL, each edge's token mean, the mean over edges, plus lambda times the mean over
+    (parent, position) pairs of KL(q_j || pi(. | parent)), q_j counting the softmax(A / tau)-weighted tokens of the
+    positive children that changed position j. Returns the loss and the advantages per (row, level)."""
     args, model, adapter, tokenizer = trainer.args, trainer.model, trainer.adapter, trainer.processing_class
     mask, terminators = adapter.mask_token_id, set(trainer.eos_token_ids)
     low, high = 1 - args.epsilon, 1 + args.epsilon
+    nodes, children = args.num_tree_samples, args.tree_branch_factor
+    branch_step = trainer.diffusion_generation_config.num_steps // 2
     canvas, commit = batch["completion_canvas"], batch["commit_step"]
     num_rows, length = canvas.shape
     rewards = [distinct_chars_reward(tokenizer, canvas[i], terminators) for i in range(num_rows)]
+
+    def baseline(values, index):
+        others = [value for other, value in enumerate(values) if other != index]
+        return values[index] - sum(others) / len(others)
+
     advantages = torch.zeros(num_rows, 2)
     edges = []  # (parent canvas, child canvas, advantage, prompt row, parent key)
-    for start in range(0, num_rows, 4):
-        leaf = [rewards[start + k] for k in range(4)]
-        node_values = [(leaf[0] + leaf[1]) / 2, (leaf[2] + leaf[3]) / 2]
+    for start in range(0, num_rows, nodes * children):
+        leaf = [[rewards[start + node * children + child] for child in range(children)] for node in range(nodes)]
+        node_values = [sum(values) / children for values in leaf]
         root = torch.full((length,), mask)
-        for node in range(2):
-            first = start + 2 * node
-            node_canvas = canvas[first].masked_fill(commit[first] >= 2, mask)
-            node_advantage = node_values[node] - node_values[1 - node]
+        for node in range(nodes):
+            first = start + node * children
+            node_canvas = canvas[first].masked_fill(commit[first] >= branch_step, mask)
+            node_advantage = baseline(node_values, node)
             edges.append((root, node_canvas, node_advantage, first, (start, -1)))
-            for child in range(2):
+            for child in range(children):
                 row = first + child
-                leaf_advantage = leaf[2 * node + child] - leaf[2 * node + 1 - child]
+                leaf_advantage = baseline(leaf[node], child)
                 advantages[row] = torch.tensor([node_advantage, leaf_advantage])
                 edges.append((node_canvas, canvas[row], leaf_advantage, row, (start, node)))
     ppo_total, parents = 0.0, {}
@@ -241,13 +246,27 @@ def tree_rpo_objective(trainer, batch, old_model, reference, distillation_lambda
     return loss / args.gradient_accumulation_steps, advantages
 
 
-@pytest.mark.parametrize("self_distillation", [True, False])
-def test_loss_and_gradient_equal_tree_rpos_objective(self_distillation, tiny_llada, tiny_tokenizer, tmp_path):
-    checkpoint = save_checkpoint(sharpened(tiny_llada), tiny_tokenizer, tmp_path / "checkpoint")
+@pytest.mark.parametrize(
+    "self_distillation, shape",
+    [(True, (2, 2)), (False, (2, 2)), (True, (4, 2))],
+    ids=["2x2", "2x2_no_distillation", "4x2_eos_leaning"],
+)
+def test_loss_and_gradient_equal_tree_rpos_objective(self_distillation, shape, tiny_llada, tiny_tokenizer, tmp_path):
+    """Reference, old and current policies all different. The 4 x 2 tree on an EOS-leaning model has several
+    positive children per parent whose edges end at different terminators, so the distillation target's mass W_j
+    at a position is not always 1."""
+    model = sharpened(tiny_llada)
+    if shape == (2, 2):
+        checkpoint = save_checkpoint(model, tiny_tokenizer, tmp_path / "checkpoint")
+    else:
+        checkpoint = eos_leaning_checkpoint(model, tiny_tokenizer, tmp_path / "checkpoint", eos_weight=0.5)
     args = tiny_grpo_config(
         TreeRPOConfig,
         tmp_path / "run",
-        **TREE,
+        num_tree_samples=shape[0],
+        tree_branch_factor=shape[1],
+        num_generations=shape[0] * shape[1],
+        per_device_train_batch_size=shape[0] * shape[1],
         beta=0.1,
         epsilon=0.1,
         temperature=0.8,
@@ -284,6 +303,22 @@ def test_loss_and_gradient_equal_tree_rpos_objective(self_distillation, tiny_lla
     assert_same_gradients(actual, expected, rtol=1e-4, atol=1e-5, label="d-TreeRPO oracle")
     assert abs(loss.item()) > 1e-6
     metrics = trainer._metrics["eval"]
-    assert metrics["tree/clip_ratio/low_mean"][-1] > 0 or metrics["tree/clip_ratio/high_mean"][-1] > 0
+    if shape == (2, 2):  # the clip is exercised
+        assert metrics["tree/clip_ratio/low_mean"][-1] > 0 or metrics["tree/clip_ratio/high_mean"][-1] > 0
     if self_distillation:
         assert metrics["tree/distillation_kl"][-1] > 0
+
+
+def test_self_distillation_targets_by_hand():
+    """Three children of one parent (a depth-1 tree), two of positive advantage, whose changed positions differ: at
+    position 2 only the first changed, so the target there is its token alone (W_j = w_0, coefficient 1)."""
+    completion = torch.tensor([[5, 6, 7], [5, 8, 7], [9, 6, 7]])
+    edges = torch.tensor([[0, 0, 0], [0, 0, -1], [0, -1, -1]])
+    advantages = torch.tensor([[1.0], [0.5], [-1.0]])
+    coefficients, log_q, pairs = self_distillation_targets(completion, edges, advantages, (3,), tau=0.5)
+    w0, w1 = torch.softmax(torch.tensor([1.0, 0.5]) / 0.5, dim=0).tolist()
+    torch.testing.assert_close(coefficients, torch.tensor([[w0, w0, 1.0], [w1, w1, 0.0], [0.0, 0.0, 0.0]]))
+    # Position 0: both chose 5 (q = 1); position 1: 6 and 8 (q = w0, w1); position 2: the first child's 7 (q = 1).
+    expected_log_q = torch.tensor([[0.0, math.log(w0), 0.0], [0.0, math.log(w1), 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(log_q, expected_log_q)
+    assert pairs == 3

@@ -137,8 +137,10 @@ def self_distillation_targets(
                 token_mass = (weights[None, :, None] * same).sum(dim=1)  # sum of w over children with c's token
                 pairs += int((mass > 0).sum())
                 safe_mass = mass.clamp(min=torch.finfo(mass.dtype).tiny)
-                coefficients[children] = torch.where(active, weights[:, None] / safe_mass, 0.0)
-                log_q[children] = torch.where(active, (token_mass / safe_mass).clamp(min=1e-30).log(), 0.0)
+                # A row carrying edges at several levels keeps the other levels' positions.
+                coefficients[children] = torch.where(active, weights[:, None] / safe_mass, coefficients[children])
+                q = (token_mass / safe_mass).clamp(min=1e-30)
+                log_q[children] = torch.where(active, q.log(), log_q[children])
     return coefficients, log_q, pairs
 
 
