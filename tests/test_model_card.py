@@ -183,7 +183,7 @@ def test_trainer_class_keywords_give_trls_card_attributes():
         "title": "Simple Policy Gradients for Reasoning with Diffusion Language Models",
         "id": "2510.04019",
     }
-    assert len(papers()) == 15 and all(
+    assert len(papers()) == 16 and all(
         entry["id"] in entry.get("citation", entry["id"]) for entry in papers().values()
     )
 

@@ -38,6 +38,8 @@ from trl_diffusion.trainer import (
     SPGTrainer,
     TraceRLConfig,
     TraceRLTrainer,
+    TreeRPOConfig,
+    TreeRPOTrainer,
     VRPOConfig,
     VRPOTrainer,
     WD1Config,
@@ -72,6 +74,7 @@ TRAINERS = {
         "cj_grpo",
         "agrpo",
         "mdpo",
+        "tree_rpo",
     )
 }
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
@@ -90,12 +93,15 @@ TRAJECTORY_SETTINGS = {
 
 def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
-    ELBO trainers; MDPO trains 2 steps per rollout, without its recipe's 16 accumulation steps."""
+    ELBO trainers; MDPO trains 2 steps per rollout, without its recipe's 16 accumulation steps; d-TreeRPO's tree is
+    2 x 2 (the 4 completions), without its recipe's 12 inner iterations and 4 accumulation steps."""
     settings = dict(beta=0.0)
     if name in TRAJECTORY_SETTINGS:
         settings.update(TRAJECTORY_SETTINGS[name])
     elif name == "mdpo":
         settings.update(sample_train_steps=2, gradient_accumulation_steps=1)
+    elif name == "tree_rpo":
+        settings.update(TREE_SETTINGS)
     elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         settings["num_mc_samples"] = 2
     if name == "just_grpo":
@@ -103,6 +109,10 @@ def make_args(name: str, output_dir, **overrides):
     if name in WITHOUT_KL:
         overrides = {**overrides, "beta": 0.0}
     return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
+
+
+# d-TreeRPO on the tiny rollouts: a 2 x 2 tree branching at step 2 (the second block), TRL's single pass and step.
+TREE_SETTINGS = dict(num_tree_samples=2, tree_branch_factor=2, num_iterations=1, gradient_accumulation_steps=1)
 
 
 def make_trainer(name, model, args, *, prompts="standard", **kwargs):
@@ -166,6 +176,7 @@ TRAINER_KEYS = {
     "just_grpo": {"entropy", "clip_ratio/region_mean", "log_likelihood/mean"},
     **{name: TRAJECTORY_KEYS for name in TRAJECTORY_SETTINGS},
     "mdpo": {"mdpo/clip_ratio/low_mean", "mdpo/clip_ratio/high_mean"},
+    "tree_rpo": {"tree/clip_ratio/low_mean", "tree/clip_ratio/high_mean", "tree/distillation_kl"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -294,6 +305,7 @@ class StepCounter(TrainerCallback):
         ("cj_grpo", True),
         ("agrpo", False),
         ("mdpo", True),
+        ("tree_rpo", True),
     ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
@@ -381,6 +393,7 @@ ROUND_CASES = {
     "cj_grpo": (CJGRPOConfig, CJGRPOTrainer, dict(num_iterations=2)),
     "agrpo": (AGRPOConfig, AGRPOTrainer, dict(num_iterations=2, num_selected_transitions=2)),
     "mdpo": (MDPOConfig, MDPOTrainer, dict(num_iterations=2, sample_train_steps=2, gradient_accumulation_steps=1)),
+    "tree_rpo": (TreeRPOConfig, TreeRPOTrainer, {**TREE_SETTINGS, "num_iterations": 2}),
 }
 
 
@@ -687,10 +700,11 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
     def alternating(completions, **kwargs):  # variance even though every completion is empty
         return [float(i % 2) for i in range(len(completions))]
 
-    overrides = dict(early_stop=True, beta=0.04)
+    # d-TreeRPO branches at fixed steps: its config refuses the early stop.
+    overrides = dict(early_stop=name != "tree_rpo", beta=0.04)
     if name in TRAJECTORY_SETTINGS:
         overrides.update(elbo_region="answer")  # one target: the terminator
-    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo", "mdpo"):
+    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo", "mdpo", "tree_rpo"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

@@ -96,7 +96,6 @@ class TreeRPOConfig(DiffusionRLConfig):
     max_completion_length: int | None = inherited_field(
         DiffusionRLConfig, "max_completion_length", 256, "(d-TreeRPO: 256.)"
     )
-    block_length: int = sampler_field("block_length", default=32, note="(d-TreeRPO: 32.)")
     diffusion_steps: int | None = sampler_field("diffusion_steps", default=128, note="(d-TreeRPO: 128.)")
 
     unsupported_fields: ClassVar[dict[str, tuple[tuple, str]]] = {
@@ -129,16 +128,9 @@ class TreeRPOConfig(DiffusionRLConfig):
         "self_distillation_tau_exponent": number(0),
     }
 
-    @property
-    def tree_shape(self) -> tuple[int, ...]:
-        """The children per node at each level, root first: `(num_tree_samples, tree_branch_factor, ...)`."""
-        return (self.num_tree_samples,) + (self.tree_branch_factor,) * (self.tree_contraction_factor - 1)
-
     def __post_init__(self):
         super().__post_init__()
-        leaves = 1
-        for children in self.tree_shape:
-            leaves *= children
+        leaves = self.num_tree_samples * self.tree_branch_factor ** (self.tree_contraction_factor - 1)
         if self.num_generations != leaves:
             raise ValueError(
                 f"`num_generations` ({self.num_generations}) must equal the leaves of each prompt's tree, "

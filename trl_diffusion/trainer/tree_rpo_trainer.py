@@ -190,7 +190,9 @@ class TreeRPOTrainer(DiffusionRLTrainer, name="TreeRPO", tags=("d-treerpo",), pa
 
     @property
     def tree_shape(self) -> tuple[int, ...]:
-        return self.args.tree_shape
+        """The children per node at each level, root first: `(num_tree_samples, tree_branch_factor, ...)`."""
+        args = self.args
+        return (args.num_tree_samples,) + (args.tree_branch_factor,) * (args.tree_contraction_factor - 1)
 
     @property
     def node_steps(self) -> list[int]:
