@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures
+import math
 import statistics
 import tempfile
 import time
@@ -77,14 +78,16 @@ TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
     "ebpo": trainer_classes("ebpo"),
-    "tree_rpo": trainer_classes("tree_rpo"),
+    **{name: trainer_classes(name) for name in ("mdpo", "diffusion_dpo", "tree_rpo")},
 }
 # Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
-LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO", "tree_rpo": "d-TreeRPO"})
+LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
+LABELS.update({"mdpo": "MDPO", "diffusion_dpo": "DPO (offline VRPO)", "tree_rpo": "d-TreeRPO"})
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
-COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred", "tree_rpo": "seagreen"})
+COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
+COLORS.update({"mdpo": "teal", "diffusion_dpo": "indigo", "tree_rpo": "seagreen"})
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
@@ -118,6 +121,7 @@ RL_SETTINGS = {
     "max_grad_norm": 1.0,
     "max_prompt_length": 64,
     "num_iterations": 1,
+    "gradient_accumulation_steps": 1,  # MDPO's config defaults to its recipe's 16: 16 times the rollouts per step
     "gradient_checkpointing": False,
 }
 # KL coefficient towards the SFT model, as in the demo; LFPO has no likelihood and so no KL term.
@@ -128,10 +132,15 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 # policy, which with num_iterations=1 is the current one detached: zero in value and gradient. So TraceRL is run
 # with `kl_target="reference"` (CJ-GRPO's and AGRPO's default), the others' anchor; AGRPO's recipe has beta 0.
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
-# EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient.
-BETA["ebpo"] = 0.04
-# d-TreeRPO's k3 towards the reference, with the others' coefficient.
-BETA["tree_rpo"] = 0.04
+# EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient; MDPO's k2 and
+# d-TreeRPO's k3 likewise.
+BETA.update({"ebpo": 0.04, "mdpo": 0.04, "tree_rpo": 0.04})
+# Offline trainers learn from preference pairs, built once per seed from the SFT model's own samples with the RL
+# budget's rollouts (rl_steps x 8 prompts x 8 samples), then trained for rl_steps optimizer steps (`dpo_job`). Their
+# `beta` is DPO's (the weight of the ELBO differences inside the sigmoid, TRL's default), not a KL coefficient.
+OFFLINE_TRAINERS = {"diffusion_dpo"}
+BETA["diffusion_dpo"] = 0.1
+DPO_PAIRS_PER_STEP = 16
 # Settings fixed for a trainer beyond the budget, each said in docs/benchmarks.md.
 OVERRIDES = {"trace_rl": {"kl_target": "reference"}, "tree_rpo": {"num_tree_samples": 4, "tree_branch_factor": 2}}
 # The objective settings reported with each trainer (its own defaults).
@@ -148,6 +157,8 @@ OBJECTIVE_FIELDS = {
     "trace_rl": ("transition_grouping", "transition_reduction", "pass_rate_range", "kl_target", "epsilon"),
     "cj_grpo": ("schedule", "eos_rejection_min", "transition_reduction", "kl_target", "epsilon", "scale_rewards"),
     "ebpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "clip_sequence_ratio"),
+    "mdpo": ("sample_train_steps", "reward_step_stride", "running_confidence", "tempered_confidence", "epsilon"),
+    "diffusion_dpo": ("num_mc_samples", "mask_sampler", "elbo_region", "length_norm", "beta"),
     "tree_rpo": ("num_tree_samples", "tree_branch_factor", "block_length", "epsilon", "self_distillation"),
     "agrpo": (
         "transition_selection",
@@ -249,6 +260,111 @@ def sft_job(job: dict) -> dict:
     }
 
 
+def preference_pairs(model, tokenizer, task, job: dict):
+    """Pairs (a correct sample as chosen, an incorrect one as rejected) from the model's own samples: 8 per training
+    prompt at the rollouts' temperature on the run's canvas, for as many prompts as the RL runs see. A prompt gives
+    min(#correct, #incorrect) pairs; a prompt whose samples all agree gives none. Returns the pairs and the fraction
+    of correct samples."""
+    import dataclasses
+
+    from datasets import Dataset
+
+    from trl_diffusion.demo import greedy_config
+    from trl_diffusion.evaluation import evaluate_task
+
+    samples_per_prompt, num_prompts = RL_SETTINGS["num_generations"], job["rl_steps"] * 8
+    prompts = task.load("train", num_examples=num_prompts, seed=job["seed"])
+    repeated = prompts.select([index for index in range(len(prompts)) for _ in range(samples_per_prompt)])
+    sampler = dataclasses.replace(greedy_config(task, *job["canvas"]), temperature=RL_SETTINGS["temperature"])
+    records = evaluate_task(
+        model,
+        tokenizer,
+        task,
+        dataset=repeated,
+        num_examples=None,
+        generation_config=sampler,
+        batch_size=512,
+        seed=job["seed"],
+        progress_bar=False,
+    )["records"]
+    pairs = []
+    for start in range(0, len(records), samples_per_prompt):
+        group = records[start : start + samples_per_prompt]
+        correct = [record for record in group if record["correct"]]
+        wrong = [record for record in group if not record["correct"]]
+        for chosen, rejected in zip(correct, wrong):
+            pairs.append(
+                {
+                    "prompt": chosen["prompt"],
+                    "chosen": [{"role": "assistant", "content": chosen["completion"]}],
+                    "rejected": [{"role": "assistant", "content": rejected["completion"]}],
+                }
+            )
+    return Dataset.from_list(pairs), sum(record["correct"] for record in records) / len(records)
+
+
+def dpo_job(job: dict) -> dict:
+    """Trains an offline trainer on preference pairs from one seed's SFT model (`preference_pairs`) and evaluates
+    it: `rl_steps` optimizer steps of `DPO_PAIRS_PER_STEP` pairs, the RL runs' learning rate and clipping."""
+    from transformers import PrinterCallback
+
+    from trl_diffusion.demo import TASK
+    from trl_diffusion.evaluation import load_for_evaluation
+    from trl_diffusion.tasks import get_task
+
+    name, seed = job["trainer"], job["seed"]
+    config_class, trainer_class = TRAINERS[name]
+    task = get_task(TASK)
+    model, tokenizer = load_for_evaluation(job["sft_dir"], dtype="float32")
+    start = time.perf_counter()
+    pairs, sample_accuracy = preference_pairs(model, tokenizer, task, job)
+    data_seconds = time.perf_counter() - start
+    config = config_class(
+        output_dir=job["output_dir"],
+        max_steps=job["rl_steps"],
+        learning_rate=job["learning_rate"],
+        max_completion_length=job["canvas"][0],
+        per_device_train_batch_size=DPO_PAIRS_PER_STEP,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=RL_SETTINGS["max_grad_norm"],
+        gradient_checkpointing=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=job["device"] == "cpu",
+        bf16=False,
+        seed=seed,
+        **{"beta": BETA[name], **job["overrides"]},
+    )
+    trainer = trainer_class(model=job["sft_dir"], args=config, train_dataset=pairs, processing_class=tokenizer)
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    return {
+        "trainer": name,
+        "seed": seed,
+        "train_seconds": seconds,
+        "rewards": [],  # no rollouts during training
+        "accuracy": _accuracy(trainer.model, tokenizer, job["num_eval_examples"], job["canvas"]),
+        "forward_passes": float("nan"),
+        "objective": {field: getattr(config, field) for field in OBJECTIVE_FIELDS[name]},
+        "metrics": {
+            "pairs": len(pairs),
+            "sample_accuracy": sample_accuracy,
+            "data_seconds": data_seconds,
+            "epochs": job["rl_steps"] * DPO_PAIRS_PER_STEP / max(len(pairs), 1),
+            "preference_accuracy_last_10": statistics.fmean(
+                [entry["rewards/accuracies"] for entry in trainer.state.log_history if "rewards/accuracies" in entry][
+                    -10:
+                ]
+            ),
+        },
+    }
+
+
 def rl_job(job: dict) -> dict:
     """Trains one trainer from one seed's SFT model and evaluates it."""
     from transformers import AutoTokenizer, PrinterCallback
@@ -258,6 +374,8 @@ def rl_job(job: dict) -> dict:
 
     quiet()
     set_threads(job["threads"])
+    if job["trainer"] in OFFLINE_TRAINERS:
+        return dpo_job(job)
     task = get_task(TASK)
     name, seed = job["trainer"], job["seed"]
     config_class, trainer_class = TRAINERS[name]
@@ -559,7 +677,9 @@ def main(argv=None) -> dict:
             "accuracy_std": accuracy_std,
             "train_seconds_mean": statistics.fmean(run["train_seconds"] for run in runs),
             "forward_passes_mean": statistics.fmean(run["forward_passes"] for run in runs),
-            "final_reward_mean": statistics.fmean(statistics.fmean(run["rewards"][-10:]) for run in runs),
+            "final_reward_mean": statistics.fmean(
+                statistics.fmean(run["rewards"][-10:]) if run["rewards"] else math.nan for run in runs
+            ),
             "runs": [
                 {
                     key: run[key]

@@ -42,7 +42,13 @@ from helpers import cli_args, cpu_argv
 GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 SAMPLER_ADDITIONS = {"block_length", "cfg_scale", "defer_terminators", "diffusion_steps", "early_stop"}
 SAMPLER_ADDITIONS |= {"eos_rejection_max", "eos_rejection_min", "generation_cache", "remasking", "schedule"}
-SAMPLER_ADDITIONS |= {"running_confidence", "tempered_confidence", "threshold"}
+SAMPLER_ADDITIONS |= {
+    "running_confidence",
+    "tempered_confidence",
+    "threshold",
+    "edit_threshold",
+    "max_post_edit_steps",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +459,7 @@ CLI_VALUES = {
     "remasking": "margin",
     "cfg_scale": 1.5,
     "threshold": 0.9,
+    "max_post_edit_steps": 4,
     "eos_rejection_max": 0.9,
     "max_prompt_length": 64,
     "num_mc_samples": 3,
@@ -504,6 +511,7 @@ SEPARATE_CLI_VALUES = {
     "eos_rejection_min": (0.05, {"defer_terminators": False}),
     "defer_terminators": (True, {"eos_rejection_min": None}),
     "running_confidence": (True, {"threshold": None, "lfpo_states": "forward"}),
+    "edit_threshold": (0.5, {"remasking": "low_confidence", "lfpo_states": "forward"}),
     "estimator": ("public", {"early_stop": False}),
     # The sampler's log-probs are refused for merged transitions.
     "old_logprobs": ("sampler", {"transition_grouping": 1}),

@@ -40,7 +40,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, P
 
 from .evaluation import evaluate_task
 from .generation import DiffusionGenerationConfig
-from .models import build_tiny_llada, build_tiny_llada2, build_tiny_sdar, build_tiny_sdar_moe, build_tiny_tokenizer
+from .models import (
+    build_tiny_diffusion_gemma,
+    build_tiny_llada,
+    build_tiny_llada2,
+    build_tiny_sdar,
+    build_tiny_sdar_moe,
+    build_tiny_tokenizer,
+)
 from .plotting import plot_training_curves
 from .tasks import get_task
 from .trainer import BGPOConfig, BGPOTrainer, DiffusionSFTConfig, DiffusionSFTTrainer
@@ -146,6 +153,11 @@ FAMILIES = {
     "sdar": ("SDAR", lambda tokenizer, seed: build_tiny_sdar(tokenizer, intermediate_size=256, seed=seed)),
     "sdar_moe": ("SDAR-MoE", lambda tokenizer, seed: build_tiny_sdar_moe(tokenizer, seed=seed)),
     "llada2": ("LLaDA2", lambda tokenizer, seed: build_tiny_llada2(tokenizer, seed=seed)),
+    # One canvas holds the task's whole completion (4 positions); its decoding always samples (no greedy mode).
+    "diffusion_gemma": (
+        "DiffusionGemma",
+        lambda tokenizer, seed: build_tiny_diffusion_gemma(tokenizer, intermediate_size=256, seed=seed),
+    ),
 }
 
 
@@ -236,7 +248,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--model_family",
         choices=list(FAMILIES),
         default="llada",
-        help="The tiny model: LLaDA (default), or a block-diffusion SDAR, SDAR-MoE or LLaDA2.",
+        help="The tiny model: LLaDA (default), a block-diffusion SDAR, SDAR-MoE or LLaDA2, or DiffusionGemma.",
     )
     parser.add_argument("--sft_steps", type=int, default=600, help="Optimizer steps of the SFT stage.")
     parser.add_argument("--rl_steps", type=int, default=800, help="BGPO optimizer steps.")
@@ -303,6 +315,8 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
         f"largest): {sft_dir}"
     )
     greedy = greedy_config(task)
+    # DiffusionGemma's decoding samples at every step: its evaluation draws from seeded generators.
+    decoding = "sampled, seeded" if args.model_family == "diffusion_gemma" else "greedy"
 
     def held_out_accuracy(trained_model) -> float:
         result = evaluate_task(
@@ -318,7 +332,7 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
         return result["accuracy"]
 
     before = held_out_accuracy(sft.model)
-    print(f"[3/5] Held-out accuracy after SFT (greedy, {args.num_eval_examples} test prompts): {before:.1%}")
+    print(f"[3/5] Held-out accuracy after SFT ({decoding}, {args.num_eval_examples} test prompts): {before:.1%}")
 
     rl_args = BGPOConfig(
         output_dir=str(output_dir / "bgpo"),
@@ -369,7 +383,7 @@ def run(args, output_dir: Path, has_matplotlib: bool) -> dict:
     improvement = 100 * (after - before)
 
     rows = [("after SFT", before), ("after SFT + BGPO", after), ("reloaded from disk", reloaded_accuracy)]
-    print(f"\n[5/5] Held-out accuracy on {args.num_eval_examples} test prompts (greedy decoding):")
+    print(f"\n[5/5] Held-out accuracy on {args.num_eval_examples} test prompts ({decoding} decoding):")
     print(f"  {'model':<22}{'accuracy':>10}")
     for name, value in rows:
         print(f"  {name:<22}{value:>10.1%}")

@@ -21,7 +21,13 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
-from .models.adapter import DiffusionAdapter
+from .models.adapter import DiffusionAdapter, unwrap_model
+from .models.diffusion_gemma import (
+    DIFFUSION_GEMMA_MODEL_TYPE,
+    EncoderDecoderAdapter,
+    denoising_steps_per_canvas,
+    generate_diffusion_gemma,
+)
 from .seeding import derive_seed
 
 
@@ -49,7 +55,10 @@ def task_generation_config(task, **overrides) -> DiffusionGenerationConfig:
 def evaluation_adapter(model, tokenizer) -> DiffusionAdapter:
     """The adapter evaluation drives `model` with: resolved from the model and tokenizer, with the tokenizer's EOS
     added to the terminators (as the trainers do)."""
-    adapter = DiffusionAdapter.from_model(model, tokenizer)
+    if unwrap_model(model).config.model_type == DIFFUSION_GEMMA_MODEL_TYPE:
+        adapter = EncoderDecoderAdapter.from_model(model, tokenizer)
+    else:
+        adapter = DiffusionAdapter.from_model(model, tokenizer)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     return replace(adapter, terminator_ids=tuple(dict.fromkeys([*adapter.terminator_ids, *eos])))
 
@@ -296,17 +305,34 @@ def evaluate_task(
                 torch.Generator(device=device).manual_seed(derive_seed(seed, index))
                 for index in indices[start : start + batch_size]
             ]
-            output = generate(
-                model,
-                input_ids,
-                attention_mask,
-                generation_config=generation_config,
-                adapter=adapter,
-                generator=generators,
-                # Every process runs the same batches (`_shard`); rows finish at data-dependent steps, and a sharded
-                # model's forwards are collective.
-                synchronize=num_processes > 1 and torch.distributed.is_initialized(),
-            )
+            if isinstance(adapter, EncoderDecoderAdapter):
+                # DiffusionGemma's own decoding (it always samples), one generator per batch (its first row's).
+                output = generate_diffusion_gemma(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    generation_config.max_completion_length,
+                    adapter=adapter,
+                    generator=generators[0],
+                    max_denoising_steps=denoising_steps_per_canvas(
+                        generation_config.diffusion_steps,
+                        generation_config.max_completion_length,
+                        adapter.canvas_length,
+                    ),
+                    fill_token_id=adapter.fill_token_id,
+                )
+            else:
+                output = generate(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    generation_config=generation_config,
+                    adapter=adapter,
+                    generator=generators,
+                    # Every process runs the same batches (`_shard`); rows finish at data-dependent steps, and a
+                    # sharded model's forwards are collective.
+                    synchronize=num_processes > 1 and torch.distributed.is_initialized(),
+                )
             cut = cut_at_terminator(output.completion_ids, adapter.terminator_ids)
             completion_ids.extend(cut)
             completions_text.extend(tokenizer.batch_decode(cut, skip_special_tokens=True))

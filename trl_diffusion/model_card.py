@@ -65,16 +65,20 @@ CARD_TEMPLATE = """---
 # Model Card for {{ model_name }}
 
 This model is {{ model_kind }} {{ base_model_text }}{% if dataset_text %} on {{ dataset_text }}{% endif %}. \
-It is a masked \
+{% if encoder_decoder %}It is a DiffusionGemma block-diffusion model: an encoder reads the prompt and a decoder \
+denoises canvases of uniformly noised tokens{% else %}It is a masked \
 diffusion language model: it fills a canvas of masked tokens in a number of denoising steps instead of writing left \
-to right. It was trained with trl_diffusion, built on [TRL](https://github.com/huggingface/trl).
+to right{% endif %}. It was trained with trl_diffusion, built on [TRL](https://github.com/huggingface/trl).
 
 ## Quick start
 
-`pipeline("text-generation")` and `model.generate` decode left to right and do not apply. {{ loading_text }} Decode \
-with `trl_diffusion.generate`{% if trained_sampler %}, here with the sampler settings of the training \
-rollouts{% endif %}; trl_diffusion must be installed{% if adapter %}, and PEFT{% endif %}:
-
+{% if encoder_decoder %}{{ loading_text }} Decode with transformers' own `model.generate` (DiffusionGemma's \
+sampler), or with `trl_diffusion.models.diffusion_gemma.generate_diffusion_gemma`, which draws the same tokens from \
+a generator{% if adapter %}; PEFT must be installed{% endif %}:
+{% else %}`pipeline("text-generation")` and `model.generate` decode left to right and do not apply. \
+{{ loading_text }} Decode with `trl_diffusion.generate`{% if trained_sampler %}, here with the sampler settings of \
+the training rollouts{% endif %}; trl_diffusion must be installed{% if adapter %}, and PEFT{% endif %}:
+{% endif %}
 ```python
 {{ snippet }}
 ```
@@ -94,7 +98,10 @@ This model was trained with {{ trainer_name }}{% if paper_id %}, a method introd
 
 ### Sampler settings
 
-{% if trained_sampler %}The rollouts were decoded with these `DiffusionGenerationConfig` settings (`diffusion_steps` \
+{% if encoder_decoder %}The rollouts (if any) were decoded with DiffusionGemma's own sampler \
+(`generate_diffusion_gemma`, the released generation settings, the trainer's `diffusion_steps` shared by the \
+canvases as `max_denoising_steps`).
+{% elif trained_sampler %}The rollouts were decoded with these `DiffusionGenerationConfig` settings (`diffusion_steps` \
 as resolved):
 
 | setting | value |
@@ -164,6 +171,17 @@ with torch.no_grad():
     )
 completion = cut_at_terminator(output.completion_ids, adapter.terminator_ids)[0]
 print(tokenizer.decode(completion, skip_special_tokens=True))"""
+
+ENCODER_DECODER_SNIPPET = """\
+from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+model_id = "{model_id}"  # or the local directory that holds this card
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_id, dtype="auto", device_map="auto").eval()
+
+{prompt_lines}
+output = model.generate(inputs["input_ids"], max_new_tokens=model.config.canvas_length)
+print(tokenizer.decode(output.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))"""
 
 CHAT_PROMPT = """\
 messages = [{{"role": "user", "content": {question}}}]
@@ -346,7 +364,7 @@ def card_sampler(trainer) -> tuple[bool, DiffusionGenerationConfig]:
             for its model, `generation_cache` included); an SFT trainer decodes nothing, and the card's sampler is the
             default one on its config's `max_completion_length` canvas (one block) when that is set.
     """
-    if hasattr(trainer, "diffusion_generation_config"):
+    if getattr(trainer, "diffusion_generation_config", None) is not None:
         return True, trainer.diffusion_generation_config
     args = trainer.args
     length = getattr(args, "max_completion_length", None)
@@ -464,9 +482,17 @@ def generate_model_card(
     else:
         remote_code = remote_code_loads(saved_auto_map(directory), directory)
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    snippet = quick_start_snippet(
-        trainer.hub_model_id or model_name, config, tokenizer, getattr(trainer.args, "mask_token_id", None), route
-    )
+    encoder_decoder = model_config.model_type == "diffusion_gemma"
+    if encoder_decoder:
+        chat = getattr(tokenizer, "chat_template", None) is not None
+        snippet = ENCODER_DECODER_SNIPPET.format(
+            model_id=trainer.hub_model_id or model_name,
+            prompt_lines=(CHAT_PROMPT if chat else TEXT_PROMPT).format(question=json.dumps(EXAMPLE_QUESTION)),
+        )
+    else:
+        snippet = quick_start_snippet(
+            trainer.hub_model_id or model_name, config, tokenizer, getattr(trainer.args, "mask_token_id", None), route
+        )
     model_tags = (["custom_code"] if remote_code else []) + (["transformers", adapter.lower()] if adapter else [])
     card_data = ModelCardData(
         base_model=base_model,
@@ -489,6 +515,7 @@ def generate_model_card(
         dataset_text=dataset_text,
         loading_text=loading_text(route, model_config.model_type, remote_code, adapter),
         adapter=adapter,
+        encoder_decoder=encoder_decoder,
         trained_sampler=trained_sampler,
         sampler_settings=settings,
         sft_canvas=getattr(trainer.args, "max_completion_length", None),

@@ -108,6 +108,20 @@ class DiffusionGenerationConfig:
             probability under `softmax(logits / temperature)`, the distribution it was drawn from, as MDPO's code
             scores it (and so its running confidence under `running_confidence`); off, the untempered probability
             (LLaDA's). Only `remasking="low_confidence"` reads it; no effect when greedy (`temperature=0`).
+        edit_threshold (`float`, *optional*):
+            LLaDA2.1's token-to-token (T2T) editing: at every step, each committed position of the current block
+            (not a prompt token, not a given token) whose proposal differs from its token is replaced by the proposal
+            when the proposal's confidence is above `edit_threshold` (the proposal is drawn, and scored, as a masked
+            position's is). Once the block has no masks, up to `max_post_edit_steps` more steps edit it; the block ends
+            at the first of them that changes nothing. LLaDA2.1's modes: quality `threshold=0.7, edit_threshold=0.5`,
+            speed `threshold=0.5, edit_threshold=0.0`. An edit replaces a committed token, so `commit_step` holds each
+            position's last commit and the output's `edits_committed` says whether any was edited (the trajectory
+            trainers, whose states are rebuilt from the commit steps, refuse it). Needs `remasking="low_confidence"`;
+            excludes `running_confidence`, `stop_patience`, `record_commit_logprobs` and `record_predictions`. With
+            `early_stop`, a row stops only when a block ends (LLaDA2.1's `eos_early_stop`). `None` is off.
+        max_post_edit_steps (`int`, defaults to `16`):
+            LLaDA2.1's `max_post_steps`: the most editing steps a block runs after its last mask is committed (read
+            only with `edit_threshold`).
         record_predictions (`bool`, defaults to `False`):
             Record, at every step, the completion that went into it, the step's prediction of the whole completion
             (the proposals at the positions it proposed for, the state elsewhere) and each proposal's log-probability
@@ -239,6 +253,18 @@ class DiffusionGenerationConfig:
             "temperature) the proposal was drawn from (MDPO's code)."
         },
     )
+    edit_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "LLaDA2.1's token editing: replace a committed token of the current block by its proposal when the "
+            "proposal differs and is more confident than this; a block without masks runs up to `max_post_edit_steps` "
+            "editing steps. None is off."
+        },
+    )
+    max_post_edit_steps: int = field(
+        default=16,
+        metadata={"help": "LLaDA2.1's max_post_steps: editing steps a block runs at most after its masks are gone."},
+    )
     record_predictions: bool = field(
         default=False,
         metadata={
@@ -283,6 +309,8 @@ class DiffusionGenerationConfig:
         "stop_patience": integer(1, optional=True, note="None turns it off"),
         "eos_rejection_min": number(0, 1, low_inclusive=False, optional=True, note="CJ-GRPO: 0.01; None is off"),
         "eos_rejection_max": number(0, 1, low_inclusive=False, note="CJ-GRPO: 1.0"),
+        "edit_threshold": number(0, 1, optional=True, note="LLaDA2.1: 0.5 (quality mode) or 0.0 (speed); None is off"),
+        "max_post_edit_steps": integer(0, note="LLaDA2.1: 16"),
         "generation_cache": choice(CACHE_MODES),
         "seed": integer(0, optional=True),
     }
@@ -355,6 +383,24 @@ class DiffusionGenerationConfig:
                         f"`running_confidence` keeps the schedule's count of a block's most confident tokens each "
                         f"step, and `{name}` decides the count otherwise: set `{name}=None`, or "
                         "`running_confidence=False`."
+                    )
+        if self.edit_threshold is not None:
+            if self.remasking != "low_confidence":
+                raise ValueError(
+                    "`edit_threshold` compares the probability of a proposal with a threshold: set "
+                    f"`remasking='low_confidence'` (got {self.remasking!r}), or `edit_threshold=None`."
+                )
+            excluded = {
+                "running_confidence": "puts committed tokens back to the mask token by another rule",
+                "stop_patience": "commits a prediction that the editing steps would not see",
+                "record_commit_logprobs": "records one commit per position, and an edit commits a position again",
+                "record_predictions": "records the proposals of the masked positions only",
+            }
+            for name, why in excluded.items():
+                if getattr(self, name) not in (False, None):
+                    raise ValueError(
+                        f"`edit_threshold` (token editing) excludes `{name}`, which {why}: unset `{name}`, or set "
+                        "`edit_threshold=None`."
                     )
         if self.generation_cache == "dual" and self.num_blocks == 1:
             raise ValueError(
@@ -445,6 +491,10 @@ class DiffusionGenerationConfig:
             proposer = features.SamplingProposer(self.temperature)
         else:
             proposer = features.ArgmaxProposer()
+        if self.tempered_confidence and self.remasking == "low_confidence" and self.temperature > 0:
+            confidence = features.TemperedProbabilityConfidence(self.temperature)
+        else:
+            confidence = features.CONFIDENCES[self.remasking]()
         feature_list = []
         if self.top_k > 0:
             feature_list.append(features.TopK(self.top_k))
@@ -458,6 +508,14 @@ class DiffusionGenerationConfig:
             feature_list.append(features.Threshold(self.threshold))
         if self.running_confidence:
             feature_list.append(features.RunningConfidence())
+        if self.edit_threshold is not None:
+            # Its proposals go through the same logit filters, proposer and confidence as the masked positions'.
+            filters = [feature for feature in feature_list if isinstance(feature, (features.TopK, features.TopP))]
+            feature_list.append(
+                features.TokenEditing(
+                    self.edit_threshold, self.max_post_edit_steps, self.cfg_scale, filters, proposer, confidence
+                )
+            )
         if self.record_commit_logprobs:
             feature_list.append(features.RecordCommitLogprobs(self.temperature))
         if self.record_predictions:
@@ -468,8 +526,4 @@ class DiffusionGenerationConfig:
             feature_list.append(features.StopPatience(self.stop_patience, self.cfg_scale))
         if self.record_steps is not None:
             feature_list.append(features.RecordSteps(self.record_steps))
-        if self.tempered_confidence and self.remasking == "low_confidence" and self.temperature > 0:
-            confidence = features.TemperedProbabilityConfidence(self.temperature)
-        else:
-            confidence = features.CONFIDENCES[self.remasking]()
         return features.Decoding(proposer, confidence, feature_list)

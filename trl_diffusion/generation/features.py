@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .forward import _select_logits
+from .forward import Candidates, _select_logits
 from .noise import PROPOSAL, RANDOM_CONFIDENCE, counter_uniform, sample_categorical
 
 if TYPE_CHECKING:
     from .config import DiffusionGenerationConfig
-    from .forward import Candidates, _Logits
+    from .forward import _Logits
     from .state import DecodingState
 
 
@@ -328,6 +328,76 @@ class RunningConfidence(DecodingFeature):
 
 
 @dataclass
+class TokenEditing(DecodingFeature):
+    """`edit_threshold`: LLaDA2.1's token-to-token editing. Each step also proposes a token for every committed
+    position of the row's block (not given before decoding), through the same logit filters, proposer and confidence as
+    the masked positions, and replaces the positions whose proposal differs from their token and is more confident than
+    `threshold`. A row stays in its block (`state.held`) after its masks are gone, for at most `max_post_steps` more
+    steps, until a step without masks edits nothing."""
+
+    threshold: float
+    max_post_steps: int
+    cfg_scale: float
+    filters: list[DecodingFeature]
+    proposer: Proposer
+    confidence: Confidence
+    fixed_schedule = False
+    post_steps: torch.LongTensor | None = field(default=None, repr=False)
+    had_masks: torch.BoolTensor | None = field(default=None, repr=False)
+    edits: tuple | None = field(default=None, repr=False)
+    edits_committed: torch.BoolTensor | None = field(default=None, repr=False)
+
+    def setup(self, state):
+        # Steps each row's block has run without masks (LLaDA2.1's post steps).
+        self.post_steps = torch.zeros(state.completion.shape[0], dtype=torch.long, device=state.device)
+        self.edits_committed = torch.zeros((), dtype=torch.bool, device=state.device)
+
+    def read_logits(self, state, logits):
+        active = ~state.finished[:, None]
+        self.had_masks = (state.masked & state.in_block & active).any(dim=1)
+        self.post_steps = self.post_steps + (~self.had_masks & ~state.finished).long()
+        editable = state.in_block & ~state.masked & ~state.given & active
+        self.edits = None
+        if not editable.any():
+            return
+        # The step's candidates stand aside while the edits are proposed (the proposer reads the candidates' noise).
+        step_candidates = state.candidates
+        state.candidates = Candidates(*editable.nonzero().unbind(1))
+        edit_logits = _select_logits(logits, editable[state.active_rows], self.cfg_scale)
+        edit_logits[..., state.mask_token_id] = -math.inf
+        for feature in self.filters:
+            edit_logits = feature.process_logits(state, edit_logits)
+        tokens = self.proposer.propose(state, edit_logits)
+        confidence = self.confidence.score(state, edit_logits, tokens)
+        rows, positions = state.candidates.rows, state.candidates.positions
+        state.candidates = step_candidates
+        edited = (confidence > self.threshold) & (tokens != state.completion[rows, positions])
+        self.edits = (rows[edited], positions[edited], tokens[edited])
+
+    def on_commit(self, state, commit):
+        if self.edits is None:
+            return
+        rows, positions, tokens = self.edits
+        state.completion[rows, positions] = tokens
+        state.commit_step[rows, positions] = state.step
+        self.edits_committed = self.edits_committed | (len(rows) > 0)
+
+    def stop(self, state, still_masked, done):
+        edited = torch.zeros_like(self.had_masks)
+        if self.edits is not None:
+            edited[self.edits[0]] = True
+        block_has_masks = (still_masked & state.in_block).any(dim=1)
+        # The block ends after a step without masks that edited nothing, or when one more would pass the limit.
+        ended = ~block_has_masks & ((~self.had_masks & ~edited) | (self.post_steps + 1 > self.max_post_steps))
+        state.held = ~ended & ~state.finished
+        self.post_steps = self.post_steps.masked_fill(ended, 0)
+        return done & ~state.held
+
+    def finish(self, state, outputs):
+        outputs["edits_committed"] = bool(self.edits_committed)
+
+
+@dataclass
 class RecordCommitLogprobs(DecodingFeature):
     """`record_commit_logprobs`: the log-probability and entropy of every committed token's sampling distribution."""
 
@@ -380,7 +450,8 @@ class EarlyStop(DecodingFeature):
         first_masked = torch.where(still_masked, state.positions, length).min(dim=1).values
         is_terminator = torch.isin(state.completion, state.terminator_ids)
         terminated = (is_terminator & (state.positions < first_masked[:, None])).any(dim=1)
-        stopped = terminated & ~done & ~state.finished
+        # Under token editing a row stops only between blocks (LLaDA2.1's `eos_early_stop`).
+        stopped = terminated & ~done & ~state.finished & ~state.held
         fill = still_masked & stopped[:, None]
         state.completion.masked_fill_(fill, state.adapter.terminator_ids[0])
         state.commit_step.masked_fill_(fill, state.step)

@@ -82,7 +82,7 @@ def sample_categorical(logits: torch.Tensor, temperature: float, uniform: torch.
     weights = weights.reshape(-1, vocab)
     if vocab % CDF_CHUNK:
         weights = torch.nn.functional.pad(weights, (0, CDF_CHUNK - vocab % CDF_CHUNK))
-    chunks = weights.view(weights.shape[0], -1, CDF_CHUNK)
+    chunks = weights.view(weights.shape[0], weights.shape[1] // CDF_CHUNK, CDF_CHUNK)  # also for no rows
     chunk_cdf = chunks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)
     total = chunk_cdf[:, -1:]
     # Strictly below the total, so that the draw is never past the last token of positive probability.

@@ -56,6 +56,11 @@ class DiffusionGenerationOutput:
             Whether the sampler ever put a committed position back to the mask token (only `running_confidence`
             does). When False, `commit_step` (one commit per position) rebuilds every intermediate state; a trainer
             that rebuilds its states from `commit_step` must refuse a rollout where this is True.
+        edits_committed (`bool`, defaults to `False`):
+            Whether the sampler ever replaced a committed token by another (only `edit_threshold`, LLaDA2.1's token
+            editing, does): `commit_step` then holds each position's last commit, and the states it rebuilds are not
+            the ones the sampler went through; a trainer that rebuilds its states from `commit_step` must refuse a
+            rollout where this is True.
     """
 
     sequences: torch.LongTensor
@@ -73,6 +78,7 @@ class DiffusionGenerationOutput:
     step_predictions: torch.LongTensor | None = None
     step_logprobs: torch.FloatTensor | None = None
     remasks_committed: bool = False
+    edits_committed: bool = False
 
     def sequence_at(self, step: int | torch.Tensor) -> torch.LongTensor:
         """The full sequence that went into step `step`: every completion position committed at `step` or later masked.

@@ -16,7 +16,8 @@ class DecodingState:
     Across steps: `sequence` (`[prompt | completion]`, `(batch, prompt_length + L)`), `completion` (a view of its
     completion part: committing into it writes the sequence), `commit_step` (`(batch, L)`, -1 where masked), `finished`
     and `steps_per_row` (`(batch,)`), each row's current block (`block_index`) and step in it (`block_step`), and
-    `step`, the step counter, and `given` (`(batch, L)`, the tokens of an `initial_completion`). Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
+    `step`, the step counter, `given` (`(batch, L)`, the tokens of an `initial_completion`) and `held` (`(batch,)`, the rows
+    a feature keeps in their block after its masks are gone). Within a step (set by [`enter_blocks`] and the loop): `masked`, `in_block` and
     `committable` (`(batch, L)`), `active_rows` (the rows still decoding), `candidates` (the [`Candidates`] of the
     step's proposals). Fixed: `config`, `adapter`, `generator`, `noise_keys` (each row's key of its sampling noise),
     `terminator_ids` (a tensor), `positions` (`0 .. L - 1`) and `fixed_schedule`.
@@ -71,6 +72,8 @@ class DecodingState:
         self.step = 0
         # The positions given before decoding (`initial_completion`), which nothing may remask.
         self.given = torch.zeros((batch_size, length), dtype=torch.bool, device=device)
+        # Rows that stay in their block whether it has masks or not (token editing's steps after the masks).
+        self.held = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self.masked = self.in_block = self.committable = self.active_rows = self.candidates = None
 
     def start_from(self, completion: torch.LongTensor, commit_step: torch.LongTensor | None) -> None:
@@ -94,6 +97,7 @@ class DecodingState:
         last = self.positions.shape[0] - 1
         first_masked = torch.where(masked, self.positions, last).min(dim=1).values
         current_block = self.position_blocks.gather(1, first_masked[:, None]).squeeze(1)
+        current_block = torch.where(self.held, self.block_index, current_block)
         entered = (current_block != self.block_index) & ~self.finished
         self.block_index = torch.where(entered, current_block, self.block_index)
         self.block_step = torch.where(entered, 0, self.block_step)
@@ -120,7 +124,9 @@ class DecodingState:
 
     def scheduled_count(self) -> torch.LongTensor:
         """How many tokens the schedule commits at each row's step of its block."""
-        return self.block_counts.gather(1, self.block_step[:, None]).squeeze(1)
+        # A held block's steps may outrun its schedule, when it has no masks left to count.
+        block_step = self.block_step.clamp(max=self.config.steps_per_block - 1)
+        return self.block_counts.gather(1, block_step[:, None]).squeeze(1)
 
     def end_step(self, done: torch.BoolTensor) -> None:
         """Ends a step: the rows `done` are finished, the others move one step on in their block."""

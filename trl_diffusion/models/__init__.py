@@ -3,10 +3,16 @@ LLaDA and Dream, tiny builders.
 
 Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"`, `"sdar_moe"` and `"llada2_moe"` with the
 transformers Auto classes, so `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without
-`trust_remote_code`.
+`trust_remote_code`; and transformers' own `"diffusion_gemma"` with `AutoModelForCausalLM`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    DiffusionGemmaConfig,
+    DiffusionGemmaForBlockDiffusion,
+)
 
 from .adapter import (
     KNOWN_MASK_TOKEN_IDS,
@@ -15,6 +21,12 @@ from .adapter import (
     CanvasCache,
     DiffusionAdapter,
     unwrap_model,
+)
+from .diffusion_gemma import (
+    DIFFUSION_GEMMA_LORA_TARGET_MODULES,
+    EncoderDecoderAdapter,
+    diffusion_gemma_sft_loss,
+    generate_diffusion_gemma,
 )
 from .dream import DREAM_LORA_TARGET_MODULES, DreamConfig, DreamModel
 from .llada import (
@@ -36,6 +48,7 @@ from .sdar import (
 )
 from .tiny import (
     build_tiny_bidirectional_llama,
+    build_tiny_diffusion_gemma,
     build_tiny_dream,
     build_tiny_llada,
     build_tiny_llada2,
@@ -59,8 +72,16 @@ for config_class, model_class in (
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(config_class, model_class, exist_ok=True)
     AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+# transformers maps DiffusionGemma to its multimodal Auto classes only; the trainers and the demo load by path with
+# AutoModelForCausalLM.
+AutoModelForCausalLM.register(DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, exist_ok=True)
 
 __all__ = [
+    "DIFFUSION_GEMMA_LORA_TARGET_MODULES",
+    "EncoderDecoderAdapter",
+    "build_tiny_diffusion_gemma",
+    "diffusion_gemma_sft_loss",
+    "generate_diffusion_gemma",
     "DREAM_LORA_TARGET_MODULES",
     "KNOWN_MASK_TOKEN_IDS",
     "KNOWN_TERMINATOR_IDS",

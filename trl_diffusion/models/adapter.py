@@ -35,6 +35,33 @@ SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})
 BLOCK_CAUSAL_MODEL_TYPES = frozenset({"sdar", "sdar_moe", "llada2_moe"})
 
 
+def _added_mask_token_ids(tokenizer) -> list[int]:
+    """The ids of the tokenizer's added tokens whose name says mask (iLLaDA's `<[MASK]>`, id 5, which it declares as
+    its mask nowhere else)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return sorted(index for index, token in added.items() if "mask" in str(token).lower())
+
+
+def _checked_family_mask_id(family_id: int, model_type: str, tokenizer) -> int:
+    """The family's published mask id, when the tokenizer agrees that it is a mask token; else the tokenizer's one
+    added token whose name says mask (a model of the family's type whose published id is an ordinary token of its
+    vocabulary, as 126336 is of iLLaDA's)."""
+    if tokenizer is None:
+        return family_id
+    name = tokenizer.convert_ids_to_tokens(family_id)
+    if name is None or "mask" in name.lower():
+        return family_id  # a tokenizer too small to hold it (a tiny test model), or the family's mask token
+    masks = _added_mask_token_ids(tokenizer)
+    if len(masks) == 1:
+        return masks[0]
+    raise ValueError(
+        f"This {model_type!r} model declares no mask token (no `mask_token_id` in its config, no `mask_token` in its "
+        f"tokenizer), and its family's published id {family_id} is the tokenizer's {name!r}, not a mask token; "
+        f"the tokenizer's added tokens name {len(masks)} mask tokens ({masks}). Set `model.config.mask_token_id` "
+        "(or pass `mask_token_id=` / the config field `mask_token_id`) to the id of its mask token (iLLaDA: 5)."
+    )
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Returns the transformers model under PEFT and DDP/compile wrappers (the one whose `forward` we inspect)."""
     while True:
@@ -264,19 +291,26 @@ class DiffusionAdapter:
         base = unwrap_model(model)
         config = base.config
         model_type = getattr(config, "model_type", None)
+        if model_type == "diffusion_gemma":
+            raise ValueError(
+                "DiffusionGemma is not a masked diffusion model (its noise is uniform, it has no mask token, and an "
+                "encoder reads the prompt for a decoder that denoises the canvas): drive it with "
+                "`trl_diffusion.models.diffusion_gemma.EncoderDecoderAdapter` and `generate_diffusion_gemma`."
+            )
 
         if mask_token_id is None:
             mask_token_id = getattr(config, "mask_token_id", None)
         if mask_token_id is None and tokenizer is not None:
             mask_token_id = getattr(tokenizer, "mask_token_id", None)
-        if mask_token_id is None:
-            mask_token_id = KNOWN_MASK_TOKEN_IDS.get(model_type)
+        if mask_token_id is None and model_type in KNOWN_MASK_TOKEN_IDS:
+            mask_token_id = _checked_family_mask_id(KNOWN_MASK_TOKEN_IDS[model_type], model_type, tokenizer)
         if mask_token_id is None:
             raise ValueError(
                 f"Cannot find the mask token of this model (model_type={model_type!r}): its config has no "
                 "`mask_token_id`, the tokenizer has no `mask_token`, and the model type is not one of "
                 f"{sorted(KNOWN_MASK_TOKEN_IDS)}. A masked diffusion model needs one: set `model.config.mask_token_id`"
-                " (or pass `mask_token_id=` / the config field `mask_token_id`) to the id of its mask token."
+                " (or pass `mask_token_id=` / the config field `mask_token_id`) to the id of its mask token (iLLaDA: 5, "
+                "its added `<[MASK]>`)."
             )
         embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
         num_embeddings = getattr(embeddings, "num_embeddings", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .diffusion_gemma import DIFFUSION_GEMMA_LORA_TARGET_MODULES
 from .dream import DREAM_LORA_TARGET_MODULES
 from .llada import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
 from .llada2 import LLADA2_LORA_TARGET_MODULES
@@ -21,8 +22,9 @@ class LoraRule:
     """How LoRA wraps one model family.
 
     Args:
-        target_modules (`list[str]`):
-            Default LoRA target modules (the attention and MLP projections).
+        target_modules (`list[str]` or `str`):
+            Default LoRA target modules (the attention and MLP projections): names, or one regular expression over
+            the full module names.
         exclude_modules (`list[str]`, *optional*):
             Modules excluded when the default targets are used (a module whose name matches a target but must stay
             whole, e.g. LLaDA's output head `transformer.ff_out`, named like its MLP output projection `ff_out`).
@@ -31,7 +33,7 @@ class LoraRule:
             has no `prepare_inputs_for_generation`, which `PeftModelForCausalLM` needs: its task type is `None`.
     """
 
-    target_modules: list[str]
+    target_modules: list[str] | str
     exclude_modules: list[str] | None = None
     causal_lm_task: bool = True
 
@@ -45,6 +47,8 @@ LORA_RULES: dict[str, LoraRule] = {
     "sdar_moe": LoraRule(SDAR_MOE_LORA_TARGET_MODULES),
     # The dense first layer and the shared experts are linear layers; the routed experts are fused, the router frozen.
     "llada2_moe": LoraRule(LLADA2_LORA_TARGET_MODULES),
+    # The encoder's and decoder's attention and dense-MLP linears (TRL's example); no `prepare_inputs_for_generation`.
+    "diffusion_gemma": LoraRule(DIFFUSION_GEMMA_LORA_TARGET_MODULES, causal_lm_task=False),
 }
 
 

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import DiffusionGemmaForBlockDiffusion, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .dream import DreamModel
 from .llada import LLaDAModelLM
@@ -124,6 +124,37 @@ TINY_SIZES = MappingProxyType(
                 "max_position_embeddings": 1024,
             }
         ),
+        # Two layers: one sliding, one full (a full last layer is required); the window covers every tiny context.
+        "diffusion_gemma": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "global_head_dim": 16,
+                "num_global_key_value_heads": 2,
+                "num_experts": 4,
+                "top_k_experts": 2,
+                "moe_intermediate_size": 32,
+                "sliding_window": 512,
+                "max_position_embeddings": 1024,
+            }
+        ),
+    }
+)
+# The vision tower DiffusionGemma always builds (Gemma 4's), at toy size; the tiny tasks are text only.
+TINY_DIFFUSION_GEMMA_VISION = MappingProxyType(
+    {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "patch_size": 4,
+        "position_embedding_size": 64,
     }
 )
 
@@ -290,3 +321,47 @@ def build_tiny_llada2(
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return model
+
+
+def build_tiny_diffusion_gemma(
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    canvas_length: int = 4,
+    **sizes,
+) -> DiffusionGemmaForBlockDiffusion:
+    """A randomly initialized transformers `DiffusionGemmaForBlockDiffusion` (Gemma 4 text stack with its parallel
+    dense MLP and mixture of experts, alternating sliding and full attention, the encoder and decoder sharing their
+    layers; self-conditioning MLP; a one-layer vision tower) at toy sizes, its experts on the eager kernel (the grouped
+    one refuses float64).
+
+    Args:
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`] (the mask token is unused: DiffusionGemma's noise is uniform).
+        canvas_length (`int`, *optional*, defaults to 4):
+            Positions per canvas (the block of its block diffusion).
+        sizes:
+            `DiffusionGemmaTextConfig` fields over `TINY_SIZES["diffusion_gemma"]`.
+    """
+    from transformers import DiffusionGemmaConfig
+
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    text_config = {
+        **TINY_SIZES["diffusion_gemma"],
+        **sizes,
+        "vocab_size": sizes.get("vocab_size", len(tokenizer)),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": terminator_ids(tokenizer),
+    }
+    config = DiffusionGemmaConfig(
+        text_config=text_config,
+        vision_config=dict(TINY_DIFFUSION_GEMMA_VISION),
+        canvas_length=canvas_length,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    model = DiffusionGemmaForBlockDiffusion(config)
+    reinitialize(model, seed)
+    return model.to(dtype)

@@ -213,6 +213,8 @@ class DiffusionRLConfig(MaskTokenConfig, CheckedConfig, GRPOConfig):
     eos_rejection_max: float = sampler_field("eos_rejection_max")
     running_confidence: bool = sampler_field("running_confidence")
     tempered_confidence: bool = sampler_field("tempered_confidence")
+    edit_threshold: float | None = sampler_field("edit_threshold")
+    max_post_edit_steps: int = sampler_field("max_post_edit_steps")
     generation_cache: str | None = sampler_field(
         "generation_cache",
         default=None,

@@ -36,7 +36,13 @@ from trl.trainer.utils import RepeatSampler, get_config_model_id, pad
 from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
 from ..hub import HubErrorsMixin
 from ..model_card import DiffusionModelCardMixin
-from ..models.adapter import DiffusionAdapter
+from ..models.adapter import DiffusionAdapter, unwrap_model
+from ..models.diffusion_gemma import (
+    DIFFUSION_GEMMA_MODEL_TYPE,
+    EncoderDecoderAdapter,
+    denoising_steps_per_canvas,
+    generate_diffusion_gemma,
+)
 from ..seeding import ROLLOUT_EVAL, ROLLOUT_TRAIN, ROW_MASKS, ROW_SAMPLING, derive_seed
 from ..validation import check_checkpoint, check_model_path, check_prompt_column
 from .base_config import DiffusionRLConfig
@@ -375,6 +381,8 @@ class DiffusionRLTrainer(
     config_class = DiffusionRLConfig
     # Whether the loss is back-propagated part by part (see `loss_pieces`) instead of in one backward.
     backward_in_pieces = False
+    # Whether the estimator applies to DiffusionGemma (uniform noise, no mask token, an encoder-decoder).
+    encoder_decoder_support = False
 
     def __init__(
         self,
@@ -481,14 +489,29 @@ class DiffusionRLTrainer(
         # TRL enables a MoE model's load-balancing loss with the architecture's coefficient when the config leaves
         # `router_aux_loss_coef` unset; the diffusion objectives add none (a set coefficient is refused).
         self.aux_loss_enabled = False
-        adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
+        config = unwrap_model(self.model).config
+        if config.model_type == DIFFUSION_GEMMA_MODEL_TYPE:
+            if not self.encoder_decoder_support:
+                raise ValueError(
+                    f"{type(self).__name__} does not train DiffusionGemma: its estimator needs a mask token or the "
+                    "order in which a masked sampler commits tokens, and DiffusionGemma's noise is uniform. Use VRPO, "
+                    "BGPO or ESPO (see docs/models.md)."
+                )
+            adapter = EncoderDecoderAdapter.from_model(self.model, self._tokenizer)
+        else:
+            adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
         # One set of terminators for the sampler, the ELBO region and TRL's cut / truncation metrics.
         terminators = tuple(dict.fromkeys([*adapter.terminator_ids, *self.eos_token_ids]))
         self.adapter = replace(adapter, terminator_ids=terminators)
         self.eos_token_ids = list(terminators)
-        self.diffusion_generation_config = args.to_generation_config(self.adapter)
-        self.check_rollout_model(self.adapter)
-        context = self.adapter.context_length
+        if isinstance(adapter, EncoderDecoderAdapter):
+            # DiffusionGemma decodes with its own sampler (`generate_diffusion_gemma`), not the masked one.
+            self.diffusion_generation_config = None
+            context = getattr(config.get_text_config(), "max_position_embeddings", None)
+        else:
+            self.diffusion_generation_config = args.to_generation_config(self.adapter)
+            self.check_rollout_model(self.adapter)
+            context = self.adapter.context_length
         canvas = args.max_completion_length + (args.max_prompt_length or 0)
         if context is not None and canvas > context:
             prompt_part = f"`max_prompt_length` ({args.max_prompt_length}) + " if args.max_prompt_length else ""
@@ -538,6 +561,20 @@ class DiffusionRLTrainer(
         row_keys = self._rollout_row_keys(len(prompt_ids))
         generators = [torch.Generator(device=device).manual_seed(derive_seed(key, ROW_SAMPLING)) for key in row_keys]
         with self.rollout_policy() as policy, torch.no_grad():
+            if isinstance(self.adapter, EncoderDecoderAdapter):
+                # One generator for the batch (its first row's): DiffusionGemma's sampler draws for all rows at once.
+                return generate_diffusion_gemma(
+                    policy,
+                    input_ids,
+                    attention_mask,
+                    self.args.max_completion_length,
+                    adapter=self.adapter,
+                    generator=generators[0],
+                    max_denoising_steps=denoising_steps_per_canvas(
+                        self.args.diffusion_steps, self.args.max_completion_length, self.adapter.canvas_length
+                    ),
+                    fill_token_id=self.adapter.fill_token_id,
+                ), torch.tensor([derive_seed(key, ROW_MASKS) >> 2 for key in row_keys], device=device)
             rollout = generate(
                 policy,
                 input_ids,

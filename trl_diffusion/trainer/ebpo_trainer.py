@@ -31,6 +31,8 @@ class EBPOTrainer(ESPOTrainer, name="EBPO", tags=("ebpo",), paper="2602.08676"):
     """
 
     config_class = EBPOConfig
+    # Its block replay is written for the masked block-causal families (`composite_logits`), not DiffusionGemma.
+    encoder_decoder_support = False
     backward_in_pieces = True
 
     def check_rollout_model(self, adapter: DiffusionAdapter) -> None:

@@ -108,6 +108,11 @@ class JustGRPOConfig(DiffusionRLConfig):
         "eos_rejection_min": ((None,), _ONE_POSITION_PER_STEP),
         "eos_rejection_max": ((1.0,), _ONE_POSITION_PER_STEP),
         "running_confidence": ((False,), _ONE_POSITION_PER_STEP),
+        "edit_threshold": (
+            (None,),
+            "an edit replaces a token after later ones were drawn, so the rollout is no longer the left-to-right "
+            "sample whose exact likelihood is trained",
+        ),
         "cfg_scale": (
             (0.0,),
             "guided rollouts are sampled from another distribution than the policy whose exact likelihood is "

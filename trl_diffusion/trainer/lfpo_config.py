@@ -133,6 +133,12 @@ class LFPOConfig(CompletionRegionConfig, DiffusionRLConfig):
                 "`running_confidence` (tokens put back to the mask) invalidates: use `lfpo_states='forward'`, or "
                 "`running_confidence=False`."
             )
+        if self.edit_threshold is not None and self.lfpo_states == "trajectory":
+            raise ValueError(
+                "`lfpo_states='trajectory'` rebuilds the sampler's intermediate canvases from the commit steps, which "
+                "token editing (committed tokens replaced) invalidates: use `lfpo_states='forward'`, or "
+                "`edit_threshold=None`."
+            )
 
 
 def lfpo_inference_config(

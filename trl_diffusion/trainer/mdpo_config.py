@@ -81,6 +81,11 @@ class MDPOConfig(DiffusionRLConfig):
             (0.0,),
             "the states are scored by the policy alone, and guided rollouts were drawn from another distribution",
         ),
+        "edit_threshold": (
+            (None,),
+            "MDPO's per-step predictions are the masked positions' proposals, and token editing replaces committed "
+            "tokens by proposals that no step's prediction records",
+        ),
     }
 
     field_rules: ClassVar[dict[str, FieldRule]] = {

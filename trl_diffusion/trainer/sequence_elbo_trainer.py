@@ -15,6 +15,7 @@ import torch
 
 from ..likelihood import elbo_terms, stacked_elbo_terms
 from ..masking import MaskPlan, length_normalizer, sample_canvas_masks
+from ..models.diffusion_gemma import EncoderDecoderAdapter, denoising_terms, uniform_noise_plan
 from .base_trainer import DiffusionRLTrainer
 from .sequence_elbo_config import SequenceELBOConfig
 
@@ -28,13 +29,25 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
     mask, ESPO's k2 penalty, the ratio metrics). It defines no objective."""
 
     config_class = SequenceELBOConfig
+    # On DiffusionGemma the Monte Carlo terms are those of its denoising objective (uniform noise, every position
+    # scored; `models.diffusion_gemma.denoising_terms`) instead of masked ELBO terms.
+    encoder_decoder_support = True
 
     # ------------------------------------------------------------------ Monte Carlo terms
 
     def mask_plan(self, inputs: dict, iteration: int) -> MaskPlan:
         """The Monte Carlo masks of every row of `inputs` for inner iteration `iteration` (drawn per attention block
-        for a block-causal model, whose ELBO is the block ELBO)."""
+        for a block-causal model, whose ELBO is the block ELBO); DiffusionGemma's uniform-noise views instead."""
         args = self.args
+        if isinstance(self.adapter, EncoderDecoderAdapter):
+            return uniform_noise_plan(
+                self.adapter,
+                inputs["completion_canvas"],
+                inputs["mask_seeds"],
+                iteration,
+                args.num_mc_samples,
+                args.timestep_eps,
+            )
         return sample_canvas_masks(
             self.adapter,
             inputs.get("prompt_mask"),
@@ -57,6 +70,8 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
         """Monte Carlo terms `mc_indices` of every row from one forward pass over their stacked views, shape
         `(batch, len(mc_indices))`, with gradients when enabled."""
         with self.accelerator.autocast():
+            if isinstance(self.adapter, EncoderDecoderAdapter):
+                return denoising_terms(model, self.adapter, *self.rollout_inputs(inputs), plan, mc_indices)
             return stacked_elbo_terms(model, self.adapter, *self.rollout_inputs(inputs), plan, mc_indices)
 
     def elbo_terms(self, model, inputs: dict, iteration: int) -> torch.Tensor:
@@ -64,6 +79,8 @@ class SequenceELBOTrainer(DiffusionRLTrainer):
         `(batch, num_mc_samples)` in float32."""
         plan = self.mask_plan(inputs, iteration)
         with self.accelerator.autocast():
+            if isinstance(self.adapter, EncoderDecoderAdapter):
+                return denoising_terms(model, self.adapter, *self.rollout_inputs(inputs), plan)
             return elbo_terms(model, self.adapter, *self.rollout_inputs(inputs), plan).float()
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:

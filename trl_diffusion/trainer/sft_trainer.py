@@ -25,7 +25,13 @@ from trl.trainer.utils import get_config_model_id, global_then_local_main_first,
 
 from ..hub import HubErrorsMixin
 from ..model_card import DiffusionModelCardMixin
-from ..models.adapter import DiffusionAdapter
+from ..models.adapter import DiffusionAdapter, unwrap_model
+from ..models.diffusion_gemma import (
+    DIFFUSION_GEMMA_MODEL_TYPE,
+    EncoderDecoderAdapter,
+    diffusion_gemma_sft_loss,
+    sft_batch_from_canvas,
+)
 from ..seeding import SFT_EVAL_NOISE, SFT_TRAIN_NOISE, derive_seed
 from .sft_config import DiffusionSFTConfig
 from .utils import FinishedRunMixin, check_processing_class, remove_fused_lm_head
@@ -248,8 +254,14 @@ class DiffusionSFTTrainer(
         text_config = self.model.config.get_text_config()
         if getattr(text_config, "output_router_logits", False):
             text_config.output_router_logits = False
-        self.adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
-        limits = [limit for limit in (args.max_length, self.adapter.context_length) if limit is not None]
+        if unwrap_model(self.model).config.model_type == DIFFUSION_GEMMA_MODEL_TYPE:
+            # Uniform noise, no mask token: TRL's DiffusionGemma SFT objective instead of the masked one.
+            self.adapter = EncoderDecoderAdapter.from_model(self.model, self._tokenizer)
+            context_length = getattr(text_config, "max_position_embeddings", None)
+        else:
+            self.adapter = DiffusionAdapter.from_model(self.model, self._tokenizer, mask_token_id=args.mask_token_id)
+            context_length = self.adapter.context_length
+        limits = [limit for limit in (args.max_length, context_length) if limit is not None]
         self.max_canvas_length = min(limits) if limits else None
         self._canvas_limit_known = True
         if self._tokenizer.eos_token_id is None:
@@ -415,6 +427,9 @@ class DiffusionSFTTrainer(
         mode = "train" if self.model.training else "eval"
         completion_ids = inputs["completion_ids"]
         batch_size, max_completion_length = completion_ids.shape
+        if isinstance(self.adapter, EncoderDecoderAdapter):
+            loss = self._encoder_decoder_loss(model, inputs, mode)
+            return (loss, None) if return_outputs else loss
         timesteps, masked = sample_completion_masks(
             max_completion_length, self.args.timestep_eps, self._noise_generators(mode, batch_size)
         )
@@ -436,6 +451,21 @@ class DiffusionSFTTrainer(
             self._total_train_tokens += gather(num_tokens).sum().item()
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (loss, None) if return_outputs else loss
+
+    def _encoder_decoder_loss(self, model, inputs: dict, mode: str) -> torch.Tensor:
+        """DiffusionGemma: TRL's SFT objective ([`~models.diffusion_gemma.diffusion_gemma_sft_loss`], `eps` the
+        `timestep_eps`) on the batch laid out as TRL's example lays it, its draws from the micro-batch's first noise
+        generator (so a row's noise depends on how the step's batch is split, unlike the masked loss)."""
+        batch = sft_batch_from_canvas(
+            inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], self.adapter
+        )
+        generator = self._noise_generators(mode, batch["input_ids"].shape[0])[0]
+        loss = diffusion_gemma_sft_loss(model, self.adapter, **batch, eps=self.args.timestep_eps, generator=generator)
+        if mode == "train":
+            num_tokens = inputs["prompt_mask"].sum() + inputs["completion_ids"].numel()
+            self._total_train_tokens += self.accelerator.gather_for_metrics(num_tokens).sum().item()
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # The diffusion loss has no per-token logits to hand to metrics: evaluation reports the loss only.

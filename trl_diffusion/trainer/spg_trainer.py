@@ -43,6 +43,8 @@ class SPGTrainer(SequenceELBOTrainer, name="SPG", tags=("spg",), paper="2510.095
     """
 
     config_class = SPGConfig
+    # Its upper bound reads per-token log-probs of masked views (no counterpart under DiffusionGemma's uniform noise).
+    encoder_decoder_support = False
 
     def _score_rollouts(self, inputs: dict, mode: str) -> dict:
         """Each row's length weight `|C_i| / mean |C|`, the mean over the counted rows of every process."""

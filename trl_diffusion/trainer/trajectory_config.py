@@ -181,6 +181,11 @@ class TrajectoryRLConfig(CompletionRegionConfig, DiffusionRLConfig):
             "the trajectory states are rebuilt from the commit steps, exactly only if committed tokens are never put "
             "back to the mask token, which running-confidence remasking does",
         ),
+        "edit_threshold": (
+            (None,),
+            "the trajectory states are rebuilt from the commit steps, exactly only if committed tokens are never "
+            "replaced, which LLaDA2.1's token editing does",
+        ),
     }
 
     field_rules: ClassVar[dict[str, FieldRule]] = {

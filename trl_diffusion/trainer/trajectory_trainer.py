@@ -91,11 +91,12 @@ class TrajectoryRLTrainer(DiffusionRLTrainer, name="TrajectoryRL"):
 
     def generate_rollout(self, prompt_ids):
         rollout, mask_seeds = super().generate_rollout(prompt_ids)
-        if rollout.remasks_committed:
+        if rollout.remasks_committed or rollout.edits_committed:
             raise ValueError(
                 f"{type(self).__name__} rebuilds each denoising state from the commit steps, which is exact only if "
-                "committed tokens are never remasked, and this rollout's sampler remasked some: use a remasking "
-                "strategy that keeps committed tokens (low_confidence, random, entropy, margin)."
+                "committed tokens are never remasked or replaced, and this rollout's sampler "
+                f"{'remasked' if rollout.remasks_committed else 'edited'} some: use a sampler that keeps committed "
+                "tokens (`running_confidence=False`, `edit_threshold=None`)."
             )
         return rollout, mask_seeds
 

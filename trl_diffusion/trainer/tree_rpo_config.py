@@ -52,7 +52,7 @@ class TreeRPOConfig(DiffusionRLConfig):
     entropy options, `delta` and the `sapo_*` / `vespo_*` fields (the edge loss replaces them), `leave_one_out` and
     `scale_rewards` other than `"none"` (the tree advantages replace TRL's), `cfg_scale`, and the sampler settings
     whose steps depend on the data or that remask committed tokens (`threshold`, `early_stop`,
-    `running_confidence`): a branch step would no longer be a fixed point of every rollout.
+    `running_confidence`, `edit_threshold`): a branch step would no longer be a fixed point of every rollout.
     """
 
     tree_contraction_factor: int = field(
@@ -114,6 +114,10 @@ class TreeRPOConfig(DiffusionRLConfig):
         "running_confidence": (
             (False,),
             "the tree's nodes are rebuilt from the commit steps, which remasking committed tokens breaks",
+        ),
+        "edit_threshold": (
+            (None,),
+            "the tree's nodes are rebuilt from the commit steps, which replacing committed tokens (editing) breaks",
         ),
     }
 
