@@ -78,22 +78,30 @@ TRAINERS = {
     **FIRST_WAVE_TRAINERS,
     **{name: trainer_classes(name) for name in ("coupled_grpo", "wd1", "just_grpo", "spg", *TRAJECTORY_TRAINERS)},
     "ebpo": trainer_classes("ebpo"),
-    **{name: trainer_classes(name) for name in ("mdpo", "diffusion_dpo")},
+    **{name: trainer_classes(name) for name in ("mdpo", "diffusion_dpo", "tree_rpo")},
     "igpo": trainer_classes("igpo"),
 }
 # Trainers that need a block-causal model (`--model_family sdar`, `sdar_moe` or `llada2`).
 BLOCK_MODEL_TRAINERS = {"ebpo"}
 LABELS = {**LABELS, "coupled_grpo": "coupled-GRPO", "wd1": "wd1", "just_grpo": "JustGRPO", "spg": "SPG"}
 LABELS.update({"trace_rl": "TraceRL", "cj_grpo": "CJ-GRPO", "agrpo": "AGRPO", "ebpo": "EBPO"})
-LABELS.update({"mdpo": "MDPO", "dipo": "DiPO", "diffusion_dpo": "DPO (offline VRPO)", "igpo": "IGPO"})
+LABELS.update(
+    {"mdpo": "MDPO", "dipo": "DiPO", "diffusion_dpo": "DPO (offline VRPO)", "igpo": "IGPO", "tree_rpo": "d-TreeRPO"}
+)
 COLORS = {**COLORS, "coupled_grpo": "tab:purple", "wd1": "tab:brown", "just_grpo": "tab:olive", "spg": "tab:cyan"}
 COLORS.update({"trace_rl": "tab:pink", "cj_grpo": "navy", "agrpo": "gold", "ebpo": "darkred"})
-COLORS.update({"mdpo": "lightseagreen", "dipo": "teal", "diffusion_dpo": "indigo", "igpo": "sienna"})
+COLORS.update(
+    {"mdpo": "lightseagreen", "dipo": "teal", "diffusion_dpo": "indigo", "igpo": "sienna", "tree_rpo": "seagreen"}
+)
 # JustGRPO decodes left to right: its config fixes the block (1) and the steps (L).
 LEFT_TO_RIGHT = {"just_grpo"}
 # CJ-GRPO's ascending step sizes fix the steps: log2(block) per block (2 on the task's block of 4: 1 token, then 3),
 # at most bit_length(block) (3); the benchmark's one step per token (4) is refused, so its config's default stays.
 OWN_STEPS = {"cj_grpo"}
+# d-TreeRPO branches at a block boundary: its tree (4 children of the root, 2 of each, the 8 completions of a prompt)
+# branches at step L/2, so the canvas is decoded in blocks of L/2 tokens (the others decode the task's canvas in the
+# benchmark's blocks).
+TREE_BLOCKS = {"tree_rpo"}
 
 # The training rollouts' speed-ups (`--rollouts fast`); the cache is chosen by the canvas.
 FAST_ROLLOUTS = {"early_stop": True, "threshold": 0.9}
@@ -129,8 +137,9 @@ BETA.update({"coupled_grpo": 0.04, "wd1": 0.0, "just_grpo": 0.04, "spg": 0.0})
 # policy, which with num_iterations=1 is the current one detached: zero in value and gradient. So TraceRL is run
 # with `kl_target="reference"` (CJ-GRPO's and AGRPO's default), the others' anchor; AGRPO's recipe has beta 0.
 BETA.update({"trace_rl": 0.04, "cj_grpo": 0.04, "agrpo": 0.04})
-# EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient; MDPO's k2 likewise.
-BETA.update({"ebpo": 0.04, "mdpo": 0.04})
+# EBPO's sequence KL is ESPO's k2 (per position of the canvas), with the others' coefficient; MDPO's k2 and
+# d-TreeRPO's k3 likewise.
+BETA.update({"ebpo": 0.04, "mdpo": 0.04, "tree_rpo": 0.04})
 # DiPO's recipe has no KL (beta 0); it keeps the others' anchor, towards the SFT model, like AGRPO. Its rollouts keep
 # its own sampler defaults (threshold 0.9, top-k 50) and dynamic sampling, whose extra rollouts are reported.
 BETA["dipo"] = 0.04
@@ -148,6 +157,7 @@ DPO_PAIRS_PER_STEP = 16
 # reference solution is the task's answer (one token): its hint chunks are single tokens.
 OVERRIDES = {
     "trace_rl": {"kl_target": "reference", "max_consecutive_filtered_batches": None},
+    "tree_rpo": {"num_tree_samples": 4, "tree_branch_factor": 2},
     "igpo": {"solution_column": "answer", "hint_chunk_min_tokens": 1, "hint_chunk_max_tokens": 1},
 }
 # The objective settings reported with each trainer (its own defaults).
@@ -177,6 +187,7 @@ OBJECTIVE_FIELDS = {
         "top_k",
     ),
     "igpo": ("p_mask_prompt", "epsilon", "hint_ratio_min", "hint_ratio_max", "max_hinted_replacements"),
+    "tree_rpo": ("num_tree_samples", "tree_branch_factor", "block_length", "epsilon", "self_distillation"),
     "agrpo": (
         "transition_selection",
         "num_selected_transitions",
@@ -199,6 +210,7 @@ RUN_METRICS = {
         "dynamic_sampling/generated_groups_per_kept_group",
         "dynamic_sampling/unfilled_groups",
     ),
+    "tree_rpo": ("tree/advantage_abs_mean",),
 }
 
 # The public code's objective of SPG, JustGRPO and AGRPO (`estimator="public"`), each a row of its own next to the
@@ -415,6 +427,8 @@ def rl_job(job: dict) -> dict:
     config_class, trainer_class = TRAINERS[name]
     max_completion_length, block_length = job["canvas"]
     sampler = rollout_sampler(job["rollouts"], max_completion_length, block_length)
+    if name in TREE_BLOCKS:
+        block_length = max_completion_length // 2
     if name not in LEFT_TO_RIGHT:
         sampler.update(block_length=block_length)
         if name not in OWN_STEPS:

@@ -614,6 +614,7 @@ EXAMPLES = {
     "agrpo_sudoku": "agrpo",
     "mdpo_math": "mdpo",
     "igpo_gsm8k": "igpo",
+    "tree_rpo_countdown": "tree_rpo",
 }
 # The examples with preset switches (`--block_model`, `--egspo`, ...): flag -> the fields it sets.
 EXAMPLE_PRESETS = {
@@ -718,6 +719,18 @@ def test_igpo_example_runs_one_step(tiny_llada_dir, tmp_path):
     argv += ["--hint_chunk_min_tokens", "2", "--hint_chunk_max_tokens", "3"]
     assert run_recipe("igpo", module.RECIPE, argv) == 0
     assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_tree_rpo_example_runs_one_step(tiny_llada_dir, tmp_path):
+    """d-TreeRPO's recipe (LoRA, a tree of the completions, mu = 12, self-distillation) on a tiny model, its base in
+    float32 instead of 4-bit, a 2 x 2 tree of 4 completions."""
+    module = load_example("tree_rpo_countdown")
+    argv = ["--model_name_or_path", tiny_llada_dir, "--dtype", "float32", "--output_dir", str(tmp_path)]
+    argv += [*TINY_TRAINING, "--max_steps", "1", "--per_device_train_batch_size", "4", "--load_in_4bit", "false"]
+    argv += ["--gradient_accumulation_steps", "1", "--lora_r", "4", "--lora_alpha", "8"]
+    argv += ["--num_tree_samples", "2", "--tree_branch_factor", "2", "--num_iterations", "2"]
+    assert run_recipe("tree_rpo", module.RECIPE, argv) == 0
+    assert (tmp_path / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.parametrize(

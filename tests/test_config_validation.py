@@ -81,7 +81,7 @@ def test_every_numeric_field_has_one_owner(config_class):
 
 
 def test_the_sweep_covers_every_config_class():
-    assert len(CONFIG_CLASSES) == 21 and trl_diffusion.DiffusionSFTConfig in CONFIG_CLASSES
+    assert len(CONFIG_CLASSES) == 22 and trl_diffusion.DiffusionSFTConfig in CONFIG_CLASSES
     assert trl_diffusion.DiffusionDPOConfig in CONFIG_CLASSES
 
 
@@ -154,6 +154,13 @@ EDGE_VALUES = {
 }
 
 
+# Edge values legitimate only together with other fields: (class name, field) -> those fields' values.
+EDGE_COMPANIONS = {
+    # d-TreeRPO's completions are the leaves of its tree: 2 of them are a root with 2 children.
+    ("TreeRPOConfig", "num_generations"): {"num_tree_samples": 2, "tree_contraction_factor": 1},
+}
+
+
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=IDS)
 def test_legitimate_edge_values_are_accepted(config_class, tmp_path):
     rules = field_rules_of(config_class)
@@ -166,7 +173,8 @@ def test_legitimate_edge_values_are_accepted(config_class, tmp_path):
     checked = 0
     for name, value in EDGE_VALUES.items():
         if name in rules and name not in {*config_class.unsupported_fields, *skipped} and rules[name].accepts(value):
-            config = build(config_class, tmp_path, **clipped, **{name: value})
+            companions = EDGE_COMPANIONS.get((config_class.__name__, name), {})
+            config = build(config_class, tmp_path, **clipped, **companions, **{name: value})
             assert getattr(config, name) == ("none" if name == "scale_rewards" else value), name  # TRL maps False
             checked += 1
     assert checked >= 3

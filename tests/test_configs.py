@@ -33,6 +33,7 @@ from trl_diffusion.trainer import (
     SPGConfig,
     TraceRLConfig,
     TrajectoryRLConfig,
+    TreeRPOConfig,
     VRPOConfig,
     WD1Config,
 )
@@ -431,6 +432,56 @@ SPECS = {
             tempered_confidence=True,
             scale_rewards="group",
         ),
+    ),
+    # d-TreeRPO: its recipe (dtreerpo.yaml): a 4 x 4 tree branching at step 64 of 128, eps 0.4, k3 KL 0.01, mu 12,
+    # lr 3e-5, L 256 in blocks of 32, d1's temperature 0.9, no std, self-distillation on.
+    TreeRPOConfig: Spec(
+        parent=DiffusionRLConfig,
+        changes=frozenset({"tree_contraction_factor", "num_tree_samples", "tree_branch_factor", "edges_per_forward"})
+        | {"self_distillation", "self_distillation_lambda_max", "self_distillation_gamma"}
+        | {"self_distillation_tau_max", "self_distillation_tau_exponent", "num_generations"}
+        | {"per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "epsilon", "beta"}
+        | {"use_bias_correction_kl", "learning_rate", "scale_rewards", "temperature", "max_prompt_length"}
+        | {"max_completion_length", "diffusion_steps"},
+        defaults=dict(
+            tree_contraction_factor=2,
+            num_tree_samples=4,
+            tree_branch_factor=4,
+            edges_per_forward=8,
+            self_distillation=True,
+            self_distillation_lambda_max=3e-3,
+            self_distillation_gamma=2.0,
+            self_distillation_tau_max=2.0,
+            self_distillation_tau_exponent=0.7,
+            num_generations=16,
+            per_device_train_batch_size=16,
+            gradient_accumulation_steps=4,
+            num_iterations=12,
+            epsilon=0.4,
+            beta=0.01,
+            use_bias_correction_kl=False,
+            learning_rate=3e-5,
+            scale_rewards="none",
+            temperature=0.9,
+            max_prompt_length=200,
+            max_completion_length=256,
+            block_length=32,
+            diffusion_steps=128,
+        ),
+        # A 3 x 2 x 2 x 2 tree (24 leaves) branching every 2 blocks of the shared CLI values' 8 (L 64 in blocks of 8).
+        values={
+            "tree_contraction_factor": 4,
+            "num_tree_samples": 3,
+            "tree_branch_factor": 2,
+            "num_generations": 24,
+            "per_device_train_batch_size": 24,
+            "max_completion_length": 64,
+            "edges_per_forward": 4,
+            "self_distillation_lambda_max": 1e-3,
+            "self_distillation_gamma": 1.0,
+            "self_distillation_tau_max": 1.0,
+            "self_distillation_tau_exponent": 0.5,
+        },
     ),
     DiffusionSFTConfig: Spec(
         parent=SFTConfig,

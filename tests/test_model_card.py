@@ -183,7 +183,7 @@ def test_trainer_class_keywords_give_trls_card_attributes():
         "title": "Simple Policy Gradients for Reasoning with Diffusion Language Models",
         "id": "2510.04019",
     }
-    assert len(papers()) == 17 and all(
+    assert len(papers()) == 18 and all(
         entry["id"] in entry.get("citation", entry["id"]) for entry in papers().values()
     )
 

@@ -42,6 +42,8 @@ from trl_diffusion.trainer import (
     SPGTrainer,
     TraceRLConfig,
     TraceRLTrainer,
+    TreeRPOConfig,
+    TreeRPOTrainer,
     VRPOConfig,
     VRPOTrainer,
     WD1Config,
@@ -78,6 +80,7 @@ TRAINERS = {
         "mdpo",
         "dipo",
         "igpo",
+        "tree_rpo",
     )
 }
 # JustGRPO's sampler settings: one position per block, as many steps as positions (its config refuses others).
@@ -113,7 +116,8 @@ IGPO_SOLUTION = "abcdefgh"
 
 def make_args(name: str, output_dir, **overrides):
     """A tiny, fast config of trainer `name` (`helpers.TINY_ROLLOUTS`), no KL term, 2 Monte Carlo samples for the
-    ELBO trainers; MDPO trains 2 steps per rollout, without its recipe's 16 accumulation steps."""
+    ELBO trainers; MDPO trains 2 steps per rollout, without its recipe's 16 accumulation steps; d-TreeRPO's tree is
+    2 x 2 (the 4 completions), without its recipe's 12 inner iterations and 4 accumulation steps."""
     settings = dict(beta=0.0)
     if name in TRAJECTORY_SETTINGS:
         settings.update(TRAJECTORY_SETTINGS[name])
@@ -121,6 +125,8 @@ def make_args(name: str, output_dir, **overrides):
         settings.update(sample_train_steps=2, gradient_accumulation_steps=1)
     elif name == "igpo":
         settings.update(IGPO_SETTINGS)
+    elif name == "tree_rpo":
+        settings.update(TREE_SETTINGS)
     elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo"):
         settings["num_mc_samples"] = 2
     if name == "just_grpo":
@@ -128,6 +134,10 @@ def make_args(name: str, output_dir, **overrides):
     if name in WITHOUT_KL:
         overrides = {**overrides, "beta": 0.0}
     return tiny_grpo_config(TRAINERS[name][0], output_dir, **{**settings, **overrides})
+
+
+# d-TreeRPO on the tiny rollouts: a 2 x 2 tree branching at step 2 (the second block), TRL's single pass and step.
+TREE_SETTINGS = dict(num_tree_samples=2, tree_branch_factor=2, num_iterations=1, gradient_accumulation_steps=1)
 
 
 def make_trainer(name, model, args, *, prompts="standard", **kwargs):
@@ -196,6 +206,7 @@ TRAINER_KEYS = {
     "trace_rl_value": TRAJECTORY_KEYS | {"value/loss", "value/clip_ratio"},  # value/mean: at rollout steps
     "mdpo": {"mdpo/clip_ratio/low_mean", "mdpo/clip_ratio/high_mean"},
     "igpo": {"entropy", "clip_ratio/region_mean"},
+    "tree_rpo": {"tree/clip_ratio/low_mean", "tree/clip_ratio/high_mean", "tree/distillation_kl"},
     "vrpo": {"elbo/mean", "sequence_ratio/mean", "clip_ratio/region_mean"},
     "bgpo": {
         "elbo/mean",
@@ -330,6 +341,7 @@ class StepCounter(TrainerCallback):
         ("mdpo", True),
         ("dipo", False),
         ("igpo", False),
+        ("tree_rpo", True),
     ],
 )
 def test_checkpoint_and_resume(name, peft, tiny_llada_dir, tmp_path):
@@ -419,6 +431,7 @@ ROUND_CASES = {
     "mdpo": (MDPOConfig, MDPOTrainer, dict(num_iterations=2, sample_train_steps=2, gradient_accumulation_steps=1)),
     "dipo": (DiPOConfig, DiPOTrainer, dict(num_iterations=2)),
     "igpo": (IGPOConfig, IGPOTrainer, dict(num_iterations=2, **IGPO_SETTINGS)),
+    "tree_rpo": (TreeRPOConfig, TreeRPOTrainer, {**TREE_SETTINGS, "num_iterations": 2}),
 }
 
 
@@ -733,10 +746,11 @@ def test_empty_completions_train_without_nan(name, eos_model_dir, tmp_path):
     def alternating(completions, **kwargs):  # variance even though every completion is empty
         return [float(i % 2) for i in range(len(completions))]
 
-    overrides = dict(early_stop=True, beta=0.04)
+    # d-TreeRPO branches at fixed steps: its config refuses the early stop.
+    overrides = dict(early_stop=name != "tree_rpo", beta=0.04)
     if name in TRAJECTORY_SETTINGS:
         overrides.update(elbo_region="answer")  # one target: the terminator
-    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo", "mdpo", "igpo"):
+    elif name not in ("diffu_grpo", "coupled_grpo", "wd1", "just_grpo", "mdpo", "igpo", "tree_rpo"):
         overrides.update(elbo_region="answer", length_norm="answer")  # a one-token ELBO region
     args = make_args(name, tmp_path, **overrides)
     trainer = make_trainer(name, eos_model_dir, args, reward_funcs=alternating)

@@ -89,6 +89,12 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
         "igpo_trainer.IGPOTrainer",
         "IGPO: d1's GRPO, groups that all fail regenerated with reference-solution chunks inpainted as hints",
     ),
+    "tree_rpo": (
+        "tree_rpo_config.TreeRPOConfig",
+        "tree_rpo_trainer.TreeRPOTrainer",
+        "d-TreeRPO: tree rollouts branching at block boundaries, one-forward parent-to-child transitions, "
+        "sibling-baseline advantages",
+    ),
     "sft": (
         "sft_config.DiffusionSFTConfig",
         "sft_trainer.DiffusionSFTTrainer",

@@ -41,6 +41,8 @@ from .trace_rl_config import TraceRLConfig
 from .trace_rl_trainer import TraceRLTrainer
 from .trajectory_config import TrajectoryRLConfig
 from .trajectory_trainer import TrajectoryRLTrainer
+from .tree_rpo_config import TreeRPOConfig
+from .tree_rpo_trainer import TreeRPOTrainer
 from .vrpo_config import VRPOConfig
 from .vrpo_trainer import VRPOTrainer
 from .wd1_config import WD1Config

@@ -749,19 +749,7 @@ class DiffusionRLTrainer(
         canvas lines up with it. `initial_completion` (a partly filled canvas, see [`generate`]) and `row_keys` (the
         rows' random keys, default the rollout's: `_rollout_row_keys`) serve extra rollouts such as IGPO's."""
         device = self.accelerator.device
-        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(
-            prompt_tensors,
-            padding_value=self._tokenizer.pad_token_id,
-            padding_side="left",
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        ).to(device)
-        attention_mask = pad(
-            [torch.ones_like(ids) for ids in prompt_tensors],
-            padding_value=0,
-            padding_side="left",
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        ).to(device)
+        input_ids, attention_mask = self.padded_prompts(prompt_ids)
         if row_keys is None:
             row_keys = self._rollout_row_keys(len(prompt_ids))
         generators = [torch.Generator(device=device).manual_seed(derive_seed(key, ROW_SAMPLING)) for key in row_keys]
@@ -795,8 +783,33 @@ class DiffusionRLTrainer(
         mask_seeds = torch.tensor([derive_seed(key, ROW_MASKS) >> 2 for key in row_keys], dtype=torch.long)
         return rollout, mask_seeds.to(device)
 
+    def padded_prompts(self, prompt_ids: list[list[int]]) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """`(input_ids, attention_mask)` of the prompts, left-padded as TRL pads its batch, on the device."""
+        device = self.accelerator.device
+        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(
+            prompt_tensors,
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        attention_mask = pad(
+            [torch.ones_like(ids) for ids in prompt_tensors],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        return input_ids, attention_mask
+
     def _rollout_row_keys(self, num_rows: int) -> list[int]:
         """One key per rollout row, from (seed, the rollout's place in training, the row's global index)."""
+        rollout_key = self._rollout_key()
+        first_row = self.accelerator.process_index * num_rows
+        return [derive_seed(rollout_key, first_row + row) for row in range(num_rows)]
+
+    def _rollout_key(self) -> int:
+        """The key of this rollout round, from (seed, the rollout's place in training); row `r` of the round (global
+        index across processes) has key `derive_seed(rollout key, r)`."""
         if self.model.training:
             # The micro-batch's index within its optimizer step, not the raw `_step` counter: `_step` restarts at 0
             # when training resumes from a checkpoint, and the resumed run must draw the rollouts it would have drawn.
@@ -805,10 +818,8 @@ class DiffusionRLTrainer(
             if self._rollout_attempt:
                 # An extra rollout attempt of dynamic sampling: rows of its own, never those of the first attempt.
                 rollout_key = derive_seed(rollout_key, self._rollout_attempt)
-        else:
-            rollout_key = derive_seed(self.args.seed, ROLLOUT_EVAL, self.state.global_step, self._eval_rollouts)
-        first_row = self.accelerator.process_index * num_rows
-        return [derive_seed(rollout_key, first_row + row) for row in range(num_rows)]
+            return rollout_key
+        return derive_seed(self.args.seed, ROLLOUT_EVAL, self.state.global_step, self._eval_rollouts)
 
     @contextmanager
     def rollout_policy(self):
