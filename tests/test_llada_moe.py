@@ -176,7 +176,9 @@ def published_forward(weights, config, input_ids, attention_mask):
             )
         else:
             flat = h.reshape(-1, hidden)
-            probs = linear(flat, w["mlp.gate.weight"]).softmax(-1, dtype=torch.float32) + w["mlp.expert_bias"]
+            probs = linear(flat, w["mlp.gate.weight"]).softmax(-1, dtype=torch.float32)
+            if config.moe_router_enable_expert_bias:
+                probs = probs + w["mlp.expert_bias"]
             top_weights, top_experts = probs.topk(config.num_experts_per_tok, dim=-1)
             out = torch.zeros_like(flat)
             for expert in range(config.num_experts):
@@ -189,10 +191,14 @@ def published_forward(weights, config, input_ids, attention_mask):
     return linear(rms_norm(x, weights["model.norm.weight"], eps), weights["lm_head.weight"])
 
 
-def test_logits_equal_the_published_forward_in_float64(tiny_tokenizer):
-    model = build_tiny_llada_moe(tiny_tokenizer, dtype=torch.float64).eval()
+@pytest.mark.parametrize(
+    "router", [{}, {"moe_router_enable_expert_bias": False, "norm_topk_prob": True}], ids=["expert_bias", "no_bias"]
+)
+def test_logits_equal_the_published_forward_in_float64(router, tiny_tokenizer):
+    """With the expert bias (the tiny model's), and without it but with `norm_topk_prob` set, which the published
+    block ignores."""
+    model = build_tiny_llada_moe(tiny_tokenizer, dtype=torch.float64, **router).eval()
     weights = published_state_dict(model)
-    assert weights["model.layers.1.mlp.expert_bias"].abs().min() > 0  # the bias is exercised, and it moves routing
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(10, 90, (3, 9), generator=generator)
     attention_mask = torch.ones_like(input_ids)
@@ -200,6 +206,8 @@ def test_logits_equal_the_published_forward_in_float64(tiny_tokenizer):
     expected = published_forward(weights, model.config, input_ids, attention_mask)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    if not router:  # the bias is exercised: it moves the logits
+        assert weights["model.layers.1.mlp.expert_bias"].abs().min() > 0
         unbiased = {k: (torch.zeros_like(v) if k.endswith("expert_bias") else v) for k, v in weights.items()}
         assert (published_forward(unbiased, model.config, input_ids, attention_mask) - expected).abs().max() > 1e-3
     real = attention_mask.bool()

@@ -87,7 +87,7 @@ class LLaDAMoeConfig(PublishedLayoutMixin, Qwen3MoeConfig):
     tie_word_embeddings: bool = False
     num_experts: int = 64
     num_experts_per_tok: int = 8
-    norm_topk_prob: bool = False
+    norm_topk_prob: bool | None = False
     router_aux_loss_coef: float = 0.01
     pad_token_id: int | None = LLADA_MOE_EOS_TOKEN_ID
     eos_token_id: int | list[int] | None = LLADA_MOE_EOS_TOKEN_ID
@@ -95,10 +95,10 @@ class LLaDAMoeConfig(PublishedLayoutMixin, Qwen3MoeConfig):
     dense_intermediate_size: int = 8192
     shared_expert_intermediate_size: int | None = None
     moe_layer_freq: list[int] | None = None
-    qk_layernorm: bool = True
+    qk_layernorm: bool | None = True
     partial_rotary_factor: float = 1.0
     clip_qkv: float | None = None
-    moe_router_enable_expert_bias: bool = False
+    moe_router_enable_expert_bias: bool | None = False
     mask_token_id: int | None = LLADA_MOE_MASK_TOKEN_ID
 
     def __post_init__(self, **kwargs):
@@ -148,25 +148,31 @@ class LLaDAMoeConfig(PublishedLayoutMixin, Qwen3MoeConfig):
 
 
 class LLaDAMoeRouter(Qwen3MoeTopKRouter):
-    """Qwen3-MoE's softmax top-k router with the published expert bias: added to the float32 probabilities before the
-    top-k, and part of the mixing weights (no renormalization)."""
+    """Qwen3-MoE's softmax top-k router as published: never renormalized (whatever `norm_topk_prob` says), with the
+    optional expert bias (a buffer) added to the float32 probabilities before the top-k and kept in the mixing
+    weights."""
 
     def __init__(self, config):
         super().__init__(config)
         self.norm_topk_prob = False
-        self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        else:
+            self.expert_bias = None
 
     def forward(self, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states, self.weight)
-        router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1) + self.expert_bias
+        router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+        if self.expert_bias is not None:
+            router_probs = router_probs + self.expert_bias
         router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
         return router_logits, router_top_value.to(router_logits.dtype), router_indices
 
 
 class LLaDAMoeModelLM(Qwen3MoeForCausalLM):
-    """LLaDA-MoE: `Qwen3MoeForCausalLM` with bidirectional attention (and, when the config enables it, the published
-    expert bias in each router), loading the published checkpoints through the key map of this module. Its logits
+    """LLaDA-MoE: `Qwen3MoeForCausalLM` with bidirectional attention and the published router ([`LLaDAMoeRouter`]: no
+    renormalization, the optional expert bias), loading the published checkpoints through the key map of this module. Its logits
     are aligned with the inputs: `logits[:, i]` predicts the token at position `i`.
 
     Args:
@@ -178,12 +184,11 @@ class LLaDAMoeModelLM(Qwen3MoeForCausalLM):
 
     def __init__(self, config: LLaDAMoeConfig):
         super().__init__(config)
-        if config.moe_router_enable_expert_bias:
-            for layer in self.model.layers:
-                if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
-                    router = LLaDAMoeRouter(config)
-                    router.weight = layer.mlp.gate.weight  # the initialized weight, shared
-                    layer.mlp.gate = router
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+                router = LLaDAMoeRouter(config)
+                router.weight = layer.mlp.gate.weight  # the initialized weight, shared
+                layer.mlp.gate = router
 
 
 register_checkpoint_conversion_mapping(
