@@ -106,6 +106,7 @@ class LLaDAMoeConfig(PublishedLayoutMixin, Qwen3MoeConfig):
             "qk_layernorm": (self.qk_layernorm, True),
             "partial_rotary_factor": (self.partial_rotary_factor, 1.0),
             "clip_qkv": (self.clip_qkv, None),
+            # null or 0: no shared expert (the published class builds one for any other value)
             "shared_expert_intermediate_size": (self.shared_expert_intermediate_size or None, None),
         }
         for name, (value, implemented) in refused.items():
@@ -131,11 +132,8 @@ class LLaDAMoeConfig(PublishedLayoutMixin, Qwen3MoeConfig):
         self.intermediate_size = self.dense_intermediate_size
         self.mlp_only_layers = [index for index, kind in enumerate(self.moe_layer_freq) if kind == 0]
         self.decoder_sparse_step = 1
-        # The published sparse block sets `norm_topk_prob = False` whatever the config says.
-        published_norm_topk_prob = self.norm_topk_prob
-        self.norm_topk_prob = False
+        # `norm_topk_prob` stays as given: the published sparse block ignores it, and so does `LLaDAMoeRouter`.
         super().__post_init__(**kwargs)
-        self.norm_topk_prob = published_norm_topk_prob
         self.head_dim = self.hidden_size // self.num_attention_heads
         # Read by transformers' mask builders: bidirectional masks.
         self.is_causal = False
