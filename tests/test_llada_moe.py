@@ -269,19 +269,23 @@ def tiny_llada_moe_dir(tiny_tokenizer, tmp_path_factory):
     return save_checkpoint(build_tiny_llada_moe(tiny_tokenizer), tiny_tokenizer, tmp_path_factory.mktemp("lladamoe"))
 
 
-def assert_one_step(trainer):
+def assert_one_step(trainer, peft=False):
+    """One finite step that moves only trainable weights (the routed experts under full fine-tuning, LoRA's alone
+    under PEFT) and leaves the expert bias, a buffer, where the checkpoint put it."""
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     biases = {n: b.detach().clone() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")}
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert trainer.state.global_step == 1 and len(losses) == 1 and math.isfinite(losses[0])
     after = dict(trainer.model.named_parameters())
-    assert not torch.equal(
-        initial["model.layers.1.mlp.experts.gate_up_proj"], after["model.layers.1.mlp.experts.gate_up_proj"]
-    )
-    for name, bias in trainer.model.named_buffers():
-        if name in biases:
-            assert torch.equal(bias, biases[name])  # a buffer: training leaves it where the checkpoint put it
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    changed = {n for n in initial if not torch.equal(initial[n], after[n])}
+    assert changed and changed <= trainable
+    if peft:
+        assert all("lora_" in n for n in trainable)
+    else:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in changed
+    assert biases and all(torch.equal(b, biases[n]) for n, b in trainer.model.named_buffers() if n in biases)
 
 
 def test_one_sft_step(tiny_llada_moe_dir, tiny_tokenizer, tmp_path):
@@ -294,9 +298,15 @@ def test_one_sft_step(tiny_llada_moe_dir, tiny_tokenizer, tmp_path):
     assert_one_step(trainer)
 
 
-def test_one_bgpo_step(tiny_llada_moe_dir, tmp_path):
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_one_bgpo_step(peft, tiny_llada_moe_dir, tmp_path):
     args = tiny_grpo_config(BGPOConfig, tmp_path, beta=0.0, max_steps=1, num_mc_samples=2)
+    lora = lora_config_for("lladamoe", ModelConfig(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0))
     trainer = BGPOTrainer(
-        model=tiny_llada_moe_dir, reward_funcs=distinct_chars, args=args, train_dataset=say_dataset()
+        model=tiny_llada_moe_dir,
+        reward_funcs=distinct_chars,
+        args=args,
+        train_dataset=say_dataset(),
+        peft_config=lora if peft else None,
     )
-    assert_one_step(trainer)
+    assert_one_step(trainer, peft)
