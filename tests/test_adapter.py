@@ -13,6 +13,7 @@ from trl_diffusion.models import (
     build_tiny_dream,
     build_tiny_llada,
     build_tiny_llada2,
+    build_tiny_llada_moe,
     build_tiny_sdar,
     build_tiny_sdar_moe,
     unwrap_model,
@@ -114,6 +115,7 @@ HEAD_FAMILIES = {
     "sdar": build_tiny_sdar,  # block-causal: the composite forward's noisy half
     "sdar_moe": build_tiny_sdar_moe,
     "llada2": build_tiny_llada2,
+    "llada_moe": build_tiny_llada_moe,
 }
 
 

@@ -12,6 +12,7 @@ from trl_diffusion.models import (
     build_tiny_dream,
     build_tiny_llada,
     build_tiny_llada2,
+    build_tiny_llada_moe,
     build_tiny_sdar,
     build_tiny_sdar_moe,
 )
@@ -28,6 +29,9 @@ from trl_diffusion.models import (
 #   reads `head_dim` too.
 # - LLaDA2 (2.0 and 2.1 share the file): DARE models/LLaDA2.0-mini/configuration_llada2_moe.py
 #   (`LLaDA2MoeConfig.__init__`); the published config.json's architecture switches (`score_function`, ...) beside.
+# - LLaDA-MoE: dllm/pipelines/llada/models/configuration_lladamoe.py (`LLaDAMoEConfig.__init__`), less the fields its
+#   modeling file reads nowhere (`moe_router_score_function`, `routed_scaling_factor`, `router_num_group`,
+#   `router_topk_group`).
 QWEN_FIELDS = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads hidden_act "
     "max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings rope_theta rope_scaling "
@@ -57,6 +61,14 @@ PUBLISHED_FIELDS = {
         "num_experts_per_tok n_group topk_group routed_scaling_factor moe_intermediate_size first_k_dense_replace "
         "head_dim output_router_logits partial_rotary_factor score_function norm_softmax use_rmsnorm "
         "using_split_qkv_in_self_attention moe_router_enable_expert_bias"
+    ).split(),
+    "lladamoe": (
+        "vocab_size hidden_size dense_intermediate_size expert_intermediate_size shared_expert_intermediate_size "
+        "num_hidden_layers num_attention_heads num_key_value_heads hidden_act max_position_embeddings "
+        "initializer_range rms_norm_eps use_cache pad_token_id eos_token_id tie_word_embeddings rope_theta "
+        "partial_rotary_factor rope_scaling attention_bias attention_dropout clip_qkv num_experts_per_tok num_experts "
+        "output_router_logits router_aux_loss_coef norm_topk_prob qk_layernorm moe_layer_freq "
+        "moe_router_enable_expert_bias"
     ).split(),
 }
 # What the native model runs with, for the fields whose transformers 5 home differs from the published one; every
@@ -88,6 +100,7 @@ BUILDERS = {
     "sdar": build_tiny_sdar,
     "sdar_moe": build_tiny_sdar_moe,
     "llada2_moe": build_tiny_llada2,
+    "lladamoe": build_tiny_llada_moe,
 }
 
 

@@ -44,6 +44,7 @@ from .models import (
     build_tiny_diffusion_gemma,
     build_tiny_llada,
     build_tiny_llada2,
+    build_tiny_llada_moe,
     build_tiny_sdar,
     build_tiny_sdar_moe,
     build_tiny_tokenizer,
@@ -153,6 +154,8 @@ FAMILIES = {
     "sdar": ("SDAR", lambda tokenizer, seed: build_tiny_sdar(tokenizer, intermediate_size=256, seed=seed)),
     "sdar_moe": ("SDAR-MoE", lambda tokenizer, seed: build_tiny_sdar_moe(tokenizer, seed=seed)),
     "llada2": ("LLaDA2", lambda tokenizer, seed: build_tiny_llada2(tokenizer, seed=seed)),
+    # Full attention, as LLaDA.
+    "llada_moe": ("LLaDA-MoE", lambda tokenizer, seed: build_tiny_llada_moe(tokenizer, seed=seed)),
     # One canvas holds the task's whole completion (4 positions); its decoding always samples (no greedy mode).
     "diffusion_gemma": (
         "DiffusionGemma",
@@ -248,7 +251,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--model_family",
         choices=list(FAMILIES),
         default="llada",
-        help="The tiny model: LLaDA (default), a block-diffusion SDAR, SDAR-MoE or LLaDA2, or DiffusionGemma.",
+        help="The tiny model: LLaDA (default) or LLaDA-MoE, a block-diffusion SDAR, SDAR-MoE or LLaDA2, or "
+        "DiffusionGemma.",
     )
     parser.add_argument("--sft_steps", type=int, default=600, help="Optimizer steps of the SFT stage.")
     parser.add_argument("--rl_steps", type=int, default=800, help="BGPO optimizer steps.")

@@ -1,7 +1,7 @@
 """Model support: the adapter every component drives models through (and its key/value cache for the sampler), native
 LLaDA and Dream, tiny builders.
 
-Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"`, `"sdar_moe"` and `"llada2_moe"` with the
+Importing this package registers `model_type="llada"`, `"Dream"`, `"sdar"`, `"sdar_moe"`, `"llada2_moe"` and `"lladamoe"` with the
 transformers Auto classes, so `AutoModel` / `AutoModelForCausalLM.from_pretrained` load the published checkpoints without
 `trust_remote_code`; and transformers' own `"diffusion_gemma"` with `AutoModelForCausalLM`.
 """
@@ -38,6 +38,7 @@ from .llada import (
     LLaDAPreTrainedModel,
 )
 from .llada2 import LLADA2_LORA_TARGET_MODULES, LLaDA2MoeConfig, LLaDA2MoeModelLM
+from .llada_moe import LLADA_MOE_LORA_TARGET_MODULES, LLaDAMoeConfig, LLaDAMoeModelLM
 from .sdar import (
     SDAR_LORA_TARGET_MODULES,
     SDAR_MOE_LORA_TARGET_MODULES,
@@ -52,6 +53,7 @@ from .tiny import (
     build_tiny_dream,
     build_tiny_llada,
     build_tiny_llada2,
+    build_tiny_llada_moe,
     build_tiny_sdar,
     build_tiny_sdar_moe,
     build_tiny_tokenizer,
@@ -69,6 +71,7 @@ for config_class, model_class in (
     (SDARConfig, SDARForCausalLM),
     (SDARMoeConfig, SDARMoeForCausalLM),
     (LLaDA2MoeConfig, LLaDA2MoeModelLM),
+    (LLaDAMoeConfig, LLaDAMoeModelLM),
 ):
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(config_class, model_class, exist_ok=True)
@@ -93,6 +96,7 @@ __all__ = [
     "CachedWindow",
     "LLADA_LORA_EXCLUDE_MODULES",
     "LLADA2_LORA_TARGET_MODULES",
+    "LLADA_MOE_LORA_TARGET_MODULES",
     "LLADA_LORA_TARGET_MODULES",
     "CanvasCache",
     "DiffusionAdapter",
@@ -100,6 +104,8 @@ __all__ = [
     "DreamModel",
     "LLaDA2MoeConfig",
     "LLaDA2MoeModelLM",
+    "LLaDAMoeConfig",
+    "LLaDAMoeModelLM",
     "LLaDAConfig",
     "LLaDAModel",
     "LLaDAModelLM",
@@ -114,6 +120,7 @@ __all__ = [
     "build_tiny_dream",
     "build_tiny_llada",
     "build_tiny_llada2",
+    "build_tiny_llada_moe",
     "build_tiny_sdar",
     "build_tiny_sdar_moe",
     "build_tiny_tokenizer",

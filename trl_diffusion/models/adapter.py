@@ -20,6 +20,7 @@ KNOWN_MASK_TOKEN_IDS = {
     "sdar": 151669,
     "sdar_moe": 151669,
     "llada2_moe": 156895,
+    "lladamoe": 156895,  # LLaDA-MoE: the Ling tokenizer, as LLaDA2
 }
 # LLaDA ends a turn with <|eot_id|> and pads with <|endoftext|>; Dream ends a turn with <|im_end|>.
 KNOWN_TERMINATOR_IDS = {
@@ -28,6 +29,7 @@ KNOWN_TERMINATOR_IDS = {
     "sdar": (151643, 151645),  # <|endoftext|>, <|im_end|> (SDAR's generation_config.json)
     "sdar_moe": (151643, 151645),
     "llada2_moe": (156892,),  # <|endoftext|>; the id of its end-of-role token is not known here
+    "lladamoe": (156892,),
 }
 # Dream and DiffuCoder start from autoregressive Qwen2.5 weights: the output at position i predicts token i + 1.
 SHIFTED_LOGITS_MODEL_TYPES = frozenset({"Dream"})

@@ -188,6 +188,17 @@ class LLaDAConfig(PublishedLayoutMixin, PreTrainedConfig):
     precision: str | None = "amp_bf16"
     use_cache: bool = False
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # LLaDA-MoE's published config.json says `model_type "llada"` too; its expert fields tell the two apart (and
+        # its type is "lladamoe" from then on, which selects its key map).
+        if cls is LLaDAConfig and "expert_intermediate_size" in config_dict:
+            from .llada_moe import LLaDAMoeConfig
+
+            config_dict = {key: value for key, value in config_dict.items() if key != "model_type"}
+            return LLaDAMoeConfig.from_dict(config_dict, **kwargs)
+        return super().from_dict(config_dict, **kwargs)
+
     # The names transformers (caches, PEFT, the Trainer) reads, derived from the published fields.
     @property
     def hidden_size(self) -> int:

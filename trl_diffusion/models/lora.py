@@ -14,6 +14,7 @@ from .diffusion_gemma import DIFFUSION_GEMMA_LORA_TARGET_MODULES
 from .dream import DREAM_LORA_TARGET_MODULES
 from .llada import LLADA_LORA_EXCLUDE_MODULES, LLADA_LORA_TARGET_MODULES
 from .llada2 import LLADA2_LORA_TARGET_MODULES
+from .llada_moe import LLADA_MOE_LORA_TARGET_MODULES
 from .sdar import SDAR_LORA_TARGET_MODULES, SDAR_MOE_LORA_TARGET_MODULES
 
 
@@ -47,6 +48,8 @@ LORA_RULES: dict[str, LoraRule] = {
     "sdar_moe": LoraRule(SDAR_MOE_LORA_TARGET_MODULES),
     # The dense first layer and the shared experts are linear layers; the routed experts are fused, the router frozen.
     "llada2_moe": LoraRule(LLADA2_LORA_TARGET_MODULES),
+    # Attention and the dense layers' MLP; the routed experts are fused, the router frozen.
+    "lladamoe": LoraRule(LLADA_MOE_LORA_TARGET_MODULES),
     # The encoder's and decoder's attention and dense-MLP linears (TRL's example); no `prepare_inputs_for_generation`.
     "diffusion_gemma": LoraRule(DIFFUSION_GEMMA_LORA_TARGET_MODULES, causal_lm_task=False),
 }

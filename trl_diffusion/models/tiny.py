@@ -17,6 +17,7 @@ from transformers import DiffusionGemmaForBlockDiffusion, LlamaForCausalLM, PreT
 from .dream import DreamModel
 from .llada import LLaDAModelLM
 from .llada2 import LLaDA2MoeModelLM
+from .llada_moe import LLaDAMoeModelLM
 from .sdar import SDARForCausalLM, SDARMoeForCausalLM
 
 PAD_TOKEN = "<|pad|>"
@@ -121,6 +122,22 @@ TINY_SIZES = MappingProxyType(
                 "num_experts_per_tok": 4,
                 "moe_intermediate_size": 32,
                 "block_size": 4,
+                "max_position_embeddings": 1024,
+            }
+        ),
+        # The first layer dense (`moe_layer_freq` 0), the others MoE, as the published code allows.
+        "llada_moe": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "dense_intermediate_size": 96,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "expert_intermediate_size": 32,
+                "moe_layer_freq": (0, 1, 1),
+                "moe_router_enable_expert_bias": True,
                 "max_position_embeddings": 1024,
             }
         ),
@@ -320,6 +337,32 @@ def build_tiny_llada2(
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return model
+
+
+def build_tiny_llada_moe(
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
+) -> LLaDAMoeModelLM:
+    """A randomly initialized native LLaDA-MoE (bidirectional Qwen3-MoE math: per-head q/k norms, softmax top-k
+    router without renormalization, plus the published expert bias; a dense first layer) at toy sizes, with a random
+    non-zero expert bias (so that the bias's key map and its place in the mixing weights are exercised) and experts on
+    the eager kernel.
+
+    Args:
+        tokenizer, seed, dtype:
+            As in [`build_tiny_bidirectional_llama`] (`seed + 1` draws the bias).
+        sizes:
+            [`LLaDAMoeConfig`] fields (published names) over `TINY_SIZES["llada_moe"]`.
+    """
+    sizes = {**TINY_SIZES["llada_moe"], **sizes}
+    sizes["moe_layer_freq"] = list(sizes["moe_layer_freq"])
+    model = _build_tiny_model(
+        LLaDAMoeModelLM, tokenizer, seed, dtype, "llada_moe", sizes, experts_implementation="eager"
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, buffer in model.named_buffers():
+        if name.endswith("expert_bias"):
+            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
     return model
 
 
