@@ -13,6 +13,7 @@ from transformers import DiffusionGemmaConfig
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 from trl import ModelConfig
 
+from trl_diffusion.generation import generate_diffusion_gemma
 from trl_diffusion.models import DiffusionAdapter, build_tiny_diffusion_gemma
 from trl_diffusion.models.diffusion_gemma import (
     EncoderDecoderAdapter,
@@ -20,7 +21,6 @@ from trl_diffusion.models.diffusion_gemma import (
     denoising_terms,
     denoising_token_logps,
     diffusion_gemma_sft_loss,
-    generate_diffusion_gemma,
     published_parameter_count,
     sft_batch_from_canvas,
     uniform_noise_plan,

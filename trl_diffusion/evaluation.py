@@ -20,13 +20,12 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from .generation import DiffusionGenerationConfig, cut_at_terminator, generate
+from .generation import DiffusionGenerationConfig, cut_at_terminator, generate, generate_diffusion_gemma
 from .models.adapter import DiffusionAdapter, unwrap_model
 from .models.diffusion_gemma import (
     DIFFUSION_GEMMA_MODEL_TYPE,
     EncoderDecoderAdapter,
     denoising_steps_per_canvas,
-    generate_diffusion_gemma,
 )
 from .seeding import derive_seed
 

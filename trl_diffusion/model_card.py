@@ -73,7 +73,7 @@ to right{% endif %}. It was trained with trl_diffusion, built on [TRL](https://g
 ## Quick start
 
 {% if encoder_decoder %}{{ loading_text }} Decode with transformers' own `model.generate` (DiffusionGemma's \
-sampler), or with `trl_diffusion.models.diffusion_gemma.generate_diffusion_gemma`, which draws the same tokens from \
+sampler), or with `trl_diffusion.generation.generate_diffusion_gemma`, which draws the same tokens from \
 a generator{% if adapter %}; PEFT must be installed{% endif %}:
 {% else %}`pipeline("text-generation")` and `model.generate` decode left to right and do not apply. \
 {{ loading_text }} Decode with `trl_diffusion.generate`{% if trained_sampler %}, here with the sampler settings of \

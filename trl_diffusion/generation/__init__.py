@@ -14,7 +14,8 @@ time on its own grid, counted from each row's first prompt token, and its cache 
 
 The modules: `config` (the settings), `output`, `loop` ([`generate`]), `state` (what the loop knows), `features`
 (the decoding objects the loop calls at fixed points of every step), `schedule`, `forward` (the model calls), `noise`
-and `checks`.
+and `checks`; `diffusion_gemma` is DiffusionGemma's own decoding ([`generate_diffusion_gemma`]: uniform noise, not
+masks).
 """
 
 from ..utils.sequences import completion_lengths, cut_at_terminator
@@ -25,6 +26,7 @@ from .config import (
     THRESHOLD_REMASKING_STRATEGIES,
     DiffusionGenerationConfig,
 )
+from .diffusion_gemma import generate_diffusion_gemma
 from .features import Decoding, DecodingFeature
 from .loop import generate
 from .noise import GeneratorLike
@@ -44,5 +46,6 @@ __all__ = [
     "completion_lengths",
     "cut_at_terminator",
     "generate",
+    "generate_diffusion_gemma",
     "num_transfer_tokens",
 ]

@@ -26,7 +26,6 @@ from .diffusion_gemma import (
     DIFFUSION_GEMMA_LORA_TARGET_MODULES,
     EncoderDecoderAdapter,
     diffusion_gemma_sft_loss,
-    generate_diffusion_gemma,
 )
 from .dream import DREAM_LORA_TARGET_MODULES, DreamConfig, DreamModel
 from .llada import (
@@ -85,7 +84,6 @@ __all__ = [
     "EncoderDecoderAdapter",
     "build_tiny_diffusion_gemma",
     "diffusion_gemma_sft_loss",
-    "generate_diffusion_gemma",
     "ValueHead",
     "build_value_model",
     "load_value_model",

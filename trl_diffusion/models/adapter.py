@@ -297,7 +297,7 @@ class DiffusionAdapter:
             raise ValueError(
                 "DiffusionGemma is not a masked diffusion model (its noise is uniform, it has no mask token, and an "
                 "encoder reads the prompt for a decoder that denoises the canvas): drive it with "
-                "`trl_diffusion.models.diffusion_gemma.EncoderDecoderAdapter` and `generate_diffusion_gemma`."
+                "`trl_diffusion.models.diffusion_gemma.EncoderDecoderAdapter` and `trl_diffusion.generation.generate_diffusion_gemma`."
             )
 
         if mask_token_id is None:

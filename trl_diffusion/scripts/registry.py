@@ -62,7 +62,8 @@ TRAINING_COMMANDS: dict[str, tuple[str, str, str]] = {
     "trace_rl": (
         "trace_rl_config.TraceRLConfig",
         "trace_rl_trainer.TraceRLTrainer",
-        "TraceRL: PPO on the sampler's own trace, steps merged in groups, k3 towards the old policy",
+        "TraceRL: PPO on the sampler's own trace, steps merged in groups, k3 towards the old policy, optional "
+        "value model",
     ),
     "cj_grpo": (
         "cj_grpo_config.CJGRPOConfig",

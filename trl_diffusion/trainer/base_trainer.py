@@ -33,7 +33,7 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, get_config_model_id, pad
 
-from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate
+from ..generation import DiffusionGenerationOutput, cut_at_terminator, generate, generate_diffusion_gemma
 from ..hub import HubErrorsMixin
 from ..model_card import DiffusionModelCardMixin
 from ..models.adapter import DiffusionAdapter, unwrap_model
@@ -41,7 +41,6 @@ from ..models.diffusion_gemma import (
     DIFFUSION_GEMMA_MODEL_TYPE,
     EncoderDecoderAdapter,
     denoising_steps_per_canvas,
-    generate_diffusion_gemma,
 )
 from ..seeding import (
     DYNAMIC_SAMPLING_PROMPTS,

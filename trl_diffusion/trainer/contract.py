@@ -68,6 +68,7 @@ OBJECTIVES = (
     "trl_diffusion.trainer.lfpo_trainer:LFPOTrainer",
     "trl_diffusion.trainer.mdpo_trainer:MDPOTrainer",
     "trl_diffusion.trainer.igpo_trainer:IGPOTrainer",
+    "trl_diffusion.trainer.tree_rpo_trainer:TreeRPOTrainer",
 )
 METRICS = tuple(
     f"trl_diffusion.tasks.metrics:{name}"
