@@ -968,8 +968,6 @@ class DiffusionRLTrainer(
                 `False` for scores that do not depend on the inner iteration (no masks drawn: JustGRPO's exact
                 log-probs): each policy scores the rows once, at iteration 0, returned with shape `(batch, ...)`.
         """
-        needs = {"old": mode == "train" and self.is_off_policy, "ref": self.beta != 0.0}
-        policies = {"old": nullcontext(self.model), "ref": self.reference_model()}
         num_rows = inputs["completion_canvas"].shape[0]
         chunk_size = self.args.per_device_train_batch_size
         row_aligned = [key for key, value in inputs.items() if torch.is_tensor(value) and value.dim() > 0]
@@ -979,14 +977,21 @@ class DiffusionRLTrainer(
             for start in range(0, num_rows, chunk_size)
         ]
         scored = {}
-        for prefix, needed in needs.items():
-            if not needed:
-                continue
-            iterations = range(self.num_iterations_for(mode) if per_iteration else 1)
-            with policies[prefix] as model:
-                scores = [torch.cat([score(model, chunk, iteration) for chunk in chunks]) for iteration in iterations]
+        iterations = range(self.num_iterations_for(mode) if per_iteration else 1)
+        for prefix, model in self.scoring_policies(mode):
+            scores = [torch.cat([score(model, chunk, iteration) for chunk in chunks]) for iteration in iterations]
             scored[f"{prefix}_{name}"] = torch.stack(scores, dim=1) if per_iteration else scores[0]
         return scored
+
+    def scoring_policies(self, mode: str) -> Iterator[tuple[str, torch.nn.Module]]:
+        """The policies the objective needs scores of at rollout time besides the current one: `("old", model)` when
+        rollouts are reused in training (`is_off_policy`), then `("ref", reference)` when `beta != 0`, each yielded
+        inside its context (the reference adapter or model is active while the caller scores with it)."""
+        if mode == "train" and self.is_off_policy:
+            yield "old", self.model
+        if self.beta != 0.0:
+            with self.reference_model() as reference:
+                yield "ref", reference
 
     def completion_weights(self, inputs: dict) -> torch.Tensor:
         """Per row, 1 if the loss counts the completion and 0 if `mask_truncated_completions` drops it (TRL then

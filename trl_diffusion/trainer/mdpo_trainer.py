@@ -129,11 +129,8 @@ class MDPOTrainer(DiffusionRLTrainer, name="MDPO", tags=("mdpo",), paper="2508.1
         best = rewards.nan_to_num(-math.inf).max(dim=1).values
         metrics["mdpo/over_denoised"].append((best > rewards[:, -1].nan_to_num(math.inf)).float().mean().item())
         metrics["mdpo/trained_step_mean"].append(steps.float().mean().item())
-        if mode == "train" and self.is_off_policy:
-            scores["old_mdpo_logps"] = self.all_state_logps(self.model, {**inputs, **scores})
-        if self.beta != 0.0:
-            with self.reference_model() as reference:
-                scores["ref_mdpo_logps"] = self.all_state_logps(reference, {**inputs, **scores})
+        for prefix, model in self.scoring_policies(mode):
+            scores[f"{prefix}_mdpo_logps"] = self.all_state_logps(model, {**inputs, **scores})
         return scores
 
     # ------------------------------------------------------------------ the states' log-probs

@@ -354,11 +354,8 @@ class TreeRPOTrainer(DiffusionRLTrainer, name="TreeRPO", tags=("d-treerpo",), pa
             scores["tree_distillation_log_q"] = log_q[local]
             metrics["tree/distillation_tau"].append(self.self_distillation_tau())
         metrics["tree/advantage_abs_mean"].append(advantages[all_owned].abs().mean().item())
-        if mode == "train" and self.is_off_policy:
-            scores["old_tree_logps"] = self.all_edge_logps(self.model, {**inputs, **scores})
-        if self.beta != 0.0:
-            with self.reference_model() as reference:
-                scores["ref_tree_logps"] = self.all_edge_logps(reference, {**inputs, **scores})
+        for prefix, model in self.scoring_policies(mode):
+            scores[f"{prefix}_tree_logps"] = self.all_edge_logps(model, {**inputs, **scores})
         return scores
 
     # ------------------------------------------------------------------ the edges' log-probs
