@@ -349,11 +349,36 @@ def preference_pairs(model, tokenizer, task, job: dict):
     return Dataset.from_list(pairs), sum(record["correct"] for record in records) / len(records)
 
 
+def run_settings(job: dict) -> dict:
+    """The config fields every run of the benchmark shares: its budget of steps and learning rate, its seed and device,
+    and logging to the log history only."""
+    return {
+        "output_dir": job["output_dir"],
+        "max_steps": job["rl_steps"],
+        "learning_rate": job["learning_rate"],
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": job["device"] == "cpu",
+        "bf16": False,
+        "seed": job["seed"],
+    }
+
+
+def timed_training(trainer) -> float:
+    """Trains quietly (no printed logs) and returns the wall time of `train()`."""
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - start
+
+
 def dpo_job(job: dict) -> dict:
     """Trains an offline trainer on preference pairs from one seed's SFT model (`preference_pairs`) and evaluates
     it: `rl_steps` optimizer steps of `DPO_PAIRS_PER_STEP` pairs, the RL runs' learning rate and clipping."""
-    from transformers import PrinterCallback
-
     from trl_diffusion.demo import TASK
     from trl_diffusion.evaluation import load_for_evaluation
     from trl_diffusion.tasks import get_task
@@ -366,29 +391,17 @@ def dpo_job(job: dict) -> dict:
     pairs, sample_accuracy = preference_pairs(model, tokenizer, task, job)
     data_seconds = time.perf_counter() - start
     config = config_class(
-        output_dir=job["output_dir"],
-        max_steps=job["rl_steps"],
-        learning_rate=job["learning_rate"],
+        **run_settings(job),
         max_completion_length=job["canvas"][0],
         per_device_train_batch_size=DPO_PAIRS_PER_STEP,
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_grad_norm=RL_SETTINGS["max_grad_norm"],
         gradient_checkpointing=False,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=job["device"] == "cpu",
-        bf16=False,
-        seed=seed,
         **{"beta": BETA[name], **job["overrides"]},
     )
     trainer = trainer_class(model=job["sft_dir"], args=config, train_dataset=pairs, processing_class=tokenizer)
-    trainer.remove_callback(PrinterCallback)
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
+    seconds = timed_training(trainer)
     return {
         "trainer": name,
         "seed": seed,
@@ -413,7 +426,7 @@ def dpo_job(job: dict) -> dict:
 
 def rl_job(job: dict) -> dict:
     """Trains one trainer from one seed's SFT model and evaluates it."""
-    from transformers import AutoTokenizer, PrinterCallback
+    from transformers import AutoTokenizer
 
     from trl_diffusion.demo import TASK
     from trl_diffusion.tasks import get_task
@@ -434,18 +447,9 @@ def rl_job(job: dict) -> dict:
         if name not in OWN_STEPS:
             sampler.update(diffusion_steps=max_completion_length)
     config = config_class(
-        output_dir=job["output_dir"],
-        max_steps=job["rl_steps"],
-        learning_rate=job["learning_rate"],
+        **run_settings(job),
         max_completion_length=max_completion_length,
         **sampler,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=job["device"] == "cpu",
-        bf16=False,
-        seed=seed,
         # `--set TRAINER.beta=...` replaces the shared KL coefficient.
         **{"beta": BETA[name], **RL_SETTINGS, **job["overrides"]},
     )
@@ -457,10 +461,7 @@ def rl_job(job: dict) -> dict:
         train_dataset=task.load("train", seed=seed),
         processing_class=tokenizer,
     )
-    trainer.remove_callback(PrinterCallback)
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
+    seconds = timed_training(trainer)
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     return {
         "trainer": name,

@@ -21,8 +21,10 @@ def sharp_llada(tiny_llada, tiny_tokenizer):
     return model, DiffusionAdapter.from_model(model, tiny_tokenizer)
 
 
-def generators(seed, rows):
-    return [torch.Generator().manual_seed(seed + row) for row in range(rows)]
+def decode(model, adapter, chat_prompts, config, seed=0, **kwargs):
+    """`generate` with one generator per row, seeded `seed`, `seed + 1`, ..."""
+    generators = [torch.Generator().manual_seed(seed + row) for row in range(len(chat_prompts["input_ids"]))]
+    return generate(model, **chat_prompts, generation_config=config, adapter=adapter, generator=generators, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -42,20 +44,18 @@ def test_resuming_from_a_block_boundary_reproduces_the_rollout(sharp_llada, tiny
     if settings.get("running_confidence"):
         model = tiny_llada  # unsure enough to remask
     config = DiffusionGenerationConfig(max_completion_length=LENGTH, block_length=BLOCK, diffusion_steps=8, **settings)
-    rows = len(chat_prompts["input_ids"])
-    full = generate(model, **chat_prompts, generation_config=config, adapter=adapter, generator=generators(0, rows))
+    full = decode(model, adapter, chat_prompts, config)
     if settings.get("running_confidence"):
         assert full.remasks_committed, "the case must remask committed tokens"
     branch_step = config.steps_per_block
     first_block = full.commit_step < branch_step
     assert first_block[:, :BLOCK].all() and not first_block[:, BLOCK:].any()
     parent = full.completion_ids.masked_fill(~first_block, adapter.mask_token_id)
-    resumed = generate(
+    resumed = decode(
         model,
-        **chat_prompts,
-        generation_config=config,
-        adapter=adapter,
-        generator=generators(0, rows),
+        adapter,
+        chat_prompts,
+        config,
         initial_completion=parent,
         initial_commit_step=full.commit_step.masked_fill(~first_block, -1),
     )
@@ -63,12 +63,12 @@ def test_resuming_from_a_block_boundary_reproduces_the_rollout(sharp_llada, tiny
     assert torch.equal(resumed.commit_step, full.commit_step)
     assert torch.equal(resumed.steps_per_row, full.steps_per_row)
     # Branches of one parent differ with other generators, and share the parent's block.
-    branch = generate(
+    branch = decode(
         model,
-        **chat_prompts,
-        generation_config=config,
-        adapter=adapter,
-        generator=generators(100, rows),
+        adapter,
+        chat_prompts,
+        config,
+        seed=100,
         initial_completion=parent,
     )
     assert torch.equal(branch.completion_ids[:, :BLOCK], parent[:, :BLOCK])
@@ -92,12 +92,11 @@ def test_given_tokens_are_kept_and_only_the_masks_are_decoded(sharp_llada, chat_
     given[:, -3:] = True
     hints = torch.randint(20, 90, (rows, LENGTH), generator=torch.Generator().manual_seed(1))
     canvas = hints.masked_fill(~given, adapter.mask_token_id)
-    output = generate(
+    output = decode(
         model,
-        **chat_prompts,
-        generation_config=config,
-        adapter=adapter,
-        generator=generators(0, rows),
+        adapter,
+        chat_prompts,
+        config,
         initial_completion=canvas,
     )
     assert torch.equal(output.completion_ids[given], hints[given])
@@ -129,12 +128,11 @@ def test_a_row_given_whole_is_finished_while_the_others_decode(sharp_llada, chat
     rows = len(chat_prompts["input_ids"])
     canvas = torch.randint(20, 90, (rows, LENGTH), generator=torch.Generator().manual_seed(3))
     canvas[1:, 4:] = adapter.mask_token_id
-    output = generate(
+    output = decode(
         model,
-        **chat_prompts,
-        generation_config=config,
-        adapter=adapter,
-        generator=generators(0, rows),
+        adapter,
+        chat_prompts,
+        config,
         initial_completion=canvas,
     )
     assert torch.equal(output.completion_ids[0], canvas[0]) and output.steps_per_row[0] == 0
